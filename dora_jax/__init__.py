@@ -1,0 +1,1 @@
+"""dora_jax — DoRA for JAX/Flax with a factored norm and Pallas kernels."""
