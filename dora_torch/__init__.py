@@ -1,1 +1,44 @@
-"""dora_torch — DoRA for PyTorch with a factored norm and fused Triton kernels."""
+"""dora_torch — DoRA for PyTorch with a factored norm and fused Triton kernels.
+
+Ladder (Liger style): ``kernels/`` (Triton kernels + launchers) → ``ops`` (torch.library
+custom ops with autograd) → ``functional.dora_linear`` (dispatch, norm) → ``Linear``.
+"""
+
+from . import functional
+from .compose import compose, compose_dropout, magnitude_scale
+from .config import EPS
+from .dispatch import resolve_impl
+from .functional import dora_linear
+from .interop import (
+    AccelerationReport,
+    accelerate_peft,
+    inject,
+    load_adapter,
+    restore_peft,
+    save_adapter,
+)
+from .layer import Linear, scaling_for
+from .merge import merge_weight, unmerge_weight
+from .norm import base_sq_norm, factored_norm
+
+__all__ = [
+    "EPS",
+    "AccelerationReport",
+    "Linear",
+    "accelerate_peft",
+    "base_sq_norm",
+    "compose",
+    "compose_dropout",
+    "dora_linear",
+    "factored_norm",
+    "functional",
+    "inject",
+    "load_adapter",
+    "magnitude_scale",
+    "merge_weight",
+    "resolve_impl",
+    "restore_peft",
+    "save_adapter",
+    "scaling_for",
+    "unmerge_weight",
+]

@@ -14,6 +14,7 @@ inf in ``actual`` never passes. The reference must be computed from the inputs
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -44,7 +45,8 @@ class Comparison:
 
     @property
     def passed(self) -> bool:
-        return self.error <= self.bound
+        # A non-finite result never passes, even against a non-finite baseline.
+        return math.isfinite(self.error) and self.error <= self.bound
 
     def __str__(self) -> str:
         verdict = "ok" if self.passed else "FAIL"

@@ -35,6 +35,7 @@ def test_compare_rule():
     nan = ref.copy()
     nan[3] = np.nan
     assert not tolerances.compare(nan, ref, baseline, machine_eps=eps).passed
+    assert not tolerances.compare(nan, ref, nan, machine_eps=eps).passed  # NaN never passes
     # An exact baseline still leaves the floor.
     assert tolerances.compare(ref * (1 + 1e-4), ref, ref, machine_eps=eps).passed
     # Empty arrays (T = 0) compare equal; mismatched shapes are an error.

@@ -1,0 +1,395 @@
+"""Layer benchmark of dora_torch on the GPU (H200, bf16 activations): time, memory, bandwidth.
+
+Providers (same run, same inputs):
+  ours            dora_torch.Linear, fp32 adapters (PEFT's default), impl="auto" (fused)
+  ours_elementwise  the same with the compose as cuBLAS h Bᵀ + elementwise kernel
+  peft_dora_fp32  PEFT DoRA, default (adapters upcast to fp32)
+  peft_dora_bf16  PEFT DoRA, autocast_adapter_dtype=False (bf16 adapters)
+  peft_lora_bf16  PEFT LoRA, bf16 adapters
+  lora_eq         cuBLAS bf16 ``addmm(x Wᵀ, x Aᵀ, Bᵀ)`` — the LoRA cost floor
+
+Modes: ``inference`` (no grad, eval; ours reuses its cached norm — weights unchanged) and
+``fwd_bwd`` (y.backward(dy); ours' norm is invalidated before every call, i.e. the worst case
+of one optimizer step per micro-batch); x requires grad, so dx is computed. Median of triton.testing.do_bench with inputs rotated
+over 3 buffers; peak extra memory = max_memory_allocated during one call minus allocated
+before it (parameter grads are set to None first, so they count for everyone).
+
+Also: the compose kernels' achieved bandwidth against a measured device-to-device copy, and the
+transient memory of the norm (ours factored vs PEFT's dense) at 8192→28672, r=384.
+A failing provider is recorded in the CSV with its error and does not stop the others.
+
+    python3 -m benchmarks.run --only torch_layer --skip-tests
+"""
+
+from __future__ import annotations
+
+import copy
+import csv
+import gc
+import pathlib
+import traceback
+
+import torch
+from torch import nn
+
+BENCH = "torch_layer"
+SHAPES = [  # (d_in, d_out, r, tokens)
+    (8192, 8192, 16, 4096),
+    (8192, 8192, 128, 4096),
+    (8192, 8192, 384, 4096),
+    (8192, 28672, 384, 2048),
+    (4096, 4096, 384, 512),
+]
+PROVIDERS = [
+    "ours",
+    "ours_elementwise",
+    "peft_dora_fp32",
+    "peft_dora_bf16",
+    "peft_lora_bf16",
+    "lora_eq",
+]
+DT = torch.bfloat16
+ROTATE = 3
+WARMUP_MS, REP_MS = 10, 60
+
+
+# ------------------------------------------------------------------------------ providers
+def _trained_like(A, B, m, s):
+    """Give the adapter trained-looking values (B ≠ 0, m ≠ n) in place."""
+    with torch.no_grad():
+        B.normal_(0, 0.5 / (s * B.shape[1] ** 0.5))
+        m.mul_(1 + 0.05 * torch.randn_like(m))
+
+
+def _make(provider: str, base: nn.Linear, r: int):
+    """Returns (module-like callable, list of trainable tensors, hook before each call)."""
+    import dora_torch
+
+    alpha = 2 * r
+    if provider in ("ours", "ours_elementwise"):
+        layer = dora_torch.Linear.from_linear(base, r=r, lora_alpha=alpha)
+        _trained_like(layer.lora_A, layer.lora_B, layer.lora_magnitude_vector, layer.scaling)
+        params = [layer.lora_A, layer.lora_B, layer.lora_magnitude_vector]
+        return layer, params, layer
+    if provider.startswith("peft"):
+        import peft
+
+        cfg = peft.LoraConfig(
+            r=r,
+            lora_alpha=alpha,
+            use_dora=provider.startswith("peft_dora"),
+            target_modules=["0"],
+        )
+        model = peft.get_peft_model(
+            nn.Sequential(base), cfg, autocast_adapter_dtype=provider.endswith("fp32")
+        )
+        layer = model.base_model.model[0]
+        A, B = layer.lora_A["default"].weight, layer.lora_B["default"].weight
+        if provider.startswith("peft_dora"):
+            m = layer.lora_magnitude_vector["default"].weight
+            _trained_like(A, B, m, layer.scaling["default"])
+            params = [A, B, m]
+        else:
+            _trained_like(A, B, torch.ones(1, device=A.device), layer.scaling["default"])
+            params = [A, B]
+        return model, params, None
+    if provider == "lora_eq":
+        W = base.weight
+        A = nn.Parameter(torch.randn(r, W.shape[1], device=W.device, dtype=DT) / W.shape[1] ** 0.5)
+        B = nn.Parameter(torch.randn(W.shape[0], r, device=W.device, dtype=DT) * 0.01)
+        s = 2.0
+
+        def lora_eq(x):
+            x2 = x.reshape(-1, x.shape[-1])
+            y = torch.addmm(torch.mm(x2, W.t()), torch.mm(x2, A.t()), B.t(), alpha=s)
+            return y.reshape(*x.shape[:-1], W.shape[0])
+
+        return lora_eq, [A, B], None
+    raise ValueError(provider)
+
+
+def _measure(provider, d_in, d_out, r, T, mode):
+    import triton.testing
+
+    from dora_torch import config
+
+    torch.manual_seed(0)
+    base = nn.Linear(d_in, d_out, bias=False, device="cuda", dtype=DT)
+    base.weight.requires_grad_(False)
+    fn, params, ours = _make(provider, base, r)
+    train = mode == "fwd_bwd"
+    if isinstance(fn, nn.Module):
+        fn.train(train)
+    # fwd+bwd includes dx for every provider (a layer inside a network needs it).
+    xs = [
+        torch.randn(T, d_in, device="cuda", dtype=DT, requires_grad=train) for _ in range(ROTATE)
+    ]
+    dy = torch.randn(T, d_out, device="cuda", dtype=DT)
+    state = {"i": 0}
+    epilogue_before = config.COMPOSE_IN_GEMM_EPILOGUE
+    config.COMPOSE_IN_GEMM_EPILOGUE = provider != "ours_elementwise"
+
+    def step():
+        x = xs[state["i"] % ROTATE]
+        state["i"] += 1
+        if train:
+            if ours is not None:  # an optimizer step changed A: the norm must be recomputed
+                torch.autograd.graph.increment_version(ours.lora_A)
+            fn(x).backward(dy)
+        else:
+            with torch.no_grad():
+                fn(x)
+
+    try:
+        for _ in range(3):  # warm-up: autotune, caches, cuBLAS handles
+            step()
+        torch.cuda.synchronize()
+        ms = triton.testing.do_bench(step, warmup=WARMUP_MS, rep=REP_MS, return_mode="median")
+        for p in params:
+            p.grad = None
+        gc.collect()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        step()
+        torch.cuda.synchronize()
+        peak = (torch.cuda.max_memory_allocated() - before) / 2**20
+    finally:
+        config.COMPOSE_IN_GEMM_EPILOGUE = epilogue_before
+    return {"ms": ms, "peak_extra_mib": peak, "impl": getattr(ours, "last_impl", "")}
+
+
+# ----------------------------------------------------------------------- kernel bandwidth
+def _bandwidth(T=4096, N=8192):
+    import triton.testing
+
+    from dora_torch.kernels.backward import scale_reduce
+    from dora_torch.kernels.compose import compose_elementwise, compose_forward
+
+    torch.manual_seed(0)
+    a = torch.randn(T, N, device="cuda", dtype=DT)
+    lora = torch.randn_like(a)
+    base = torch.randn_like(a)
+    out = torch.empty_like(a)
+    m = torch.rand(N, device="cuda") + 0.5
+    n = torch.rand(N, device="cuda") + 0.5
+    h = torch.randn(T, 384, device="cuda", dtype=DT)
+    B = torch.randn(N, 384, device="cuda", dtype=DT) * 0.05
+    nbytes = a.numel() * a.element_size()
+
+    def bench(f):
+        return triton.testing.do_bench(f, warmup=WARMUP_MS, rep=REP_MS, return_mode="median")
+
+    copy_ms = bench(lambda: out.copy_(a))
+    compose_ms = bench(lambda: compose_elementwise(lora, base, m, n, 2.0, y=out))
+    epi_ms = bench(lambda: compose_forward(h, B, base, m, n, 2.0, epilogue=True))
+    bwd_ms = bench(
+        lambda: scale_reduce(a, base, m, n, recover=True, dropout=False, need_dbias=False)
+    )
+    gbs = lambda moved, ms: moved / (ms * 1e-3) / 1e9  # noqa: E731
+    return {
+        "copy_GBps": gbs(2 * nbytes, copy_ms),
+        "compose_GBps": gbs(3 * nbytes, compose_ms),  # read base, lora; write y
+        "epilogue_gemm_GBps": gbs(2 * nbytes, epi_ms),  # read base; write y (h, B are small)
+        "bwd_scale_reduce_GBps": gbs(3 * nbytes, bwd_ms),  # read dy, y; write dy_g
+        "compose_ms": compose_ms,
+        "epilogue_gemm_ms": epi_ms,
+        "bwd_scale_reduce_ms": bwd_ms,
+    }
+
+
+# --------------------------------------------------------------------- norm transient memory
+def _peak_of(f):
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    out = f()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - before
+    del out
+    return peak / 2**20
+
+
+def _norm_transient(d_in=8192, d_out=28672, r=384):
+    import peft
+
+    import dora_torch
+
+    torch.manual_seed(0)
+    base = nn.Linear(d_in, d_out, bias=False, device="cuda", dtype=DT)
+    base.weight.requires_grad_(False)
+    res = {}
+    ours = dora_torch.Linear.from_linear(copy.deepcopy(base), r=r, lora_alpha=2 * r)
+    base_sq = dora_torch.base_sq_norm(ours.weight)
+    with torch.no_grad():
+        res["ours_mib"] = _peak_of(
+            lambda: dora_torch.factored_norm(
+                ours.weight, ours.lora_A, ours.lora_B, ours.scaling, base_sq=base_sq
+            )
+        )
+    for label, fp32 in (("peft_fp32_mib", True), ("peft_bf16_mib", False)):
+        cfg = peft.LoraConfig(r=r, lora_alpha=2 * r, use_dora=True, target_modules=["0"])
+        model = peft.get_peft_model(
+            nn.Sequential(copy.deepcopy(base)), cfg, autocast_adapter_dtype=fp32
+        )
+        layer = model.base_model.model[0]
+        dora = layer.lora_magnitude_vector["default"]
+        A, B = layer.lora_A["default"], layer.lora_B["default"]
+        x_dtype = A.weight.dtype  # PEFT casts x to the adapter dtype before DoRA's forward
+
+        def peft_norm(dora=dora, A=A, B=B, x_dtype=x_dtype, layer=layer):
+            lw = dora.get_lora_weight(lora_A=A, lora_B=B).to(x_dtype)  # the dense B·A
+            w = layer.get_base_layer().weight.to(x_dtype)
+            return dora.get_weight_norm(w, lw.detach(), scaling=layer.scaling["default"])
+
+        with torch.no_grad():
+            res[label] = _peak_of(peft_norm)
+        del model, layer, dora
+    return res
+
+
+# ------------------------------------------------------------------------------ protocol
+def run(out_dir: pathlib.Path) -> list[dict]:
+    out_dir = pathlib.Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if not torch.cuda.is_available():
+        return [{"bench": BENCH, "metric": "skipped (no CUDA)", "value": 0, "ok": None}]
+    rows = []
+    for d_in, d_out, r, T in SHAPES:
+        for mode in ("inference", "fwd_bwd"):
+            for provider in PROVIDERS:
+                row = {
+                    "d_in": d_in,
+                    "d_out": d_out,
+                    "r": r,
+                    "tokens": T,
+                    "mode": mode,
+                    "provider": provider,
+                    "ms": "",
+                    "peak_extra_mib": "",
+                    "impl": "",
+                    "error": "",
+                }
+                try:
+                    row.update(_measure(provider, d_in, d_out, r, T, mode))
+                except Exception as e:  # one provider must not kill the others
+                    traceback.print_exc()
+                    row["error"] = f"{type(e).__name__}: {e}"[:300]
+                rows.append(row)
+                print(f"[{BENCH}] {row}", flush=True)
+                gc.collect()
+                torch.cuda.empty_cache()
+    with open(out_dir / "torch_layer.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+
+    extra = {}
+    for name, fn in (("bandwidth", _bandwidth), ("norm", _norm_transient)):
+        try:
+            extra.update({f"{name}.{k}": v for k, v in fn().items()})
+        except Exception as e:
+            traceback.print_exc()
+            extra[f"{name}.error"] = f"{type(e).__name__}: {e}"[:300]
+        gc.collect()
+        torch.cuda.empty_cache()
+    with open(out_dir / "torch_layer_kernels.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["metric", "value"])
+        w.writerows(extra.items())
+    return _summary(rows, extra)
+
+
+def _get(rows, shape, mode, provider, key="ms"):
+    for row in rows:
+        if (row["d_in"], row["d_out"], row["r"], row["tokens"]) == shape and (
+            row["mode"],
+            row["provider"],
+        ) == (mode, provider):
+            v = row[key]
+            return float(v) if v != "" else None
+    return None
+
+
+def _summary(rows, extra) -> list[dict]:
+    out = []
+
+    def add(metric, value, target=None, ok=None):
+        out.append({"bench": BENCH, "metric": metric, "value": value, "target": target, "ok": ok})
+
+    def ratio(metric, num, den, target=None, cmp=None):
+        if num is None or den is None or den == 0:
+            add(metric + " (missing)", float("nan"), target, False if target else None)
+            return
+        v = num / den
+        add(metric, v, target, None if cmp is None else cmp(v))
+
+    big, small = (8192, 8192, 384, 4096), (4096, 4096, 384, 512)
+    for shape, tag in ((big, "8192² r384 4096tok"), (small, "4096² r384 512tok")):
+        ratio(
+            f"inference ours/lora_eq {tag}",
+            _get(rows, shape, "inference", "ours"),
+            _get(rows, shape, "inference", "lora_eq"),
+            "<= 1.10",
+            lambda v: v <= 1.10,
+        )
+    ratio(
+        "fwd+bwd ours/lora_eq 8192² r384",
+        _get(rows, big, "fwd_bwd", "ours"),
+        _get(rows, big, "fwd_bwd", "lora_eq"),
+        "<= 1.15",
+        lambda v: v <= 1.15,
+    )
+    for mode, tgt in (("inference", 2.0), ("fwd_bwd", 1.4)):
+        ratio(
+            f"{mode} speedup vs PEFT DoRA bf16-adapters 8192² r384",
+            _get(rows, big, mode, "peft_dora_bf16"),
+            _get(rows, big, mode, "ours"),
+            f">= {tgt}",
+            lambda v, t=tgt: v >= t,
+        )
+        ratio(
+            f"{mode} speedup vs PEFT DoRA default(fp32-adapters) 8192² r384",
+            _get(rows, big, mode, "peft_dora_fp32"),
+            _get(rows, big, mode, "ours"),
+        )
+        ratio(
+            f"{mode} peak extra mem ours/lora_eq 8192² r384",
+            _get(rows, big, mode, "ours", "peak_extra_mib"),
+            _get(rows, big, mode, "lora_eq", "peak_extra_mib"),
+            "<= 1.05",
+            lambda v: v <= 1.05,
+        )
+        ratio(
+            f"{mode} epilogue/elementwise compose time 8192² r384",
+            _get(rows, big, mode, "ours"),
+            _get(rows, big, mode, "ours_elementwise"),
+        )
+    if "norm.ours_mib" in extra:
+        for label in ("peft_bf16_mib", "peft_fp32_mib"):
+            if f"norm.{label}" in extra:
+                ratio(
+                    f"norm transient {label[:-4]}/ours 8192→28672 r384",
+                    extra[f"norm.{label}"],
+                    extra["norm.ours_mib"],
+                    ">= 20",
+                    lambda v: v >= 20,
+                )
+    if "bandwidth.copy_GBps" in extra:
+        ratio(
+            "compose kernel / copy bandwidth",
+            extra["bandwidth.compose_GBps"],
+            extra["bandwidth.copy_GBps"],
+            ">= 0.85",
+            lambda v: v >= 0.85,
+        )
+        ratio(
+            "bwd scale-reduce / copy bandwidth",
+            extra["bandwidth.bwd_scale_reduce_GBps"],
+            extra["bandwidth.copy_GBps"],
+        )
+    for k, v in extra.items():
+        if k.endswith("error"):
+            add(k, v, None, False)
+    return out

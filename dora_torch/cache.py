@@ -1,0 +1,69 @@
+"""Per-module cache of ‖W‖² and of the detached norm, invalidated by tensor versions.
+
+A cached value is reused only while every tensor it was computed from is the *same object*
+(weak reference), with the same storage (``data_ptr``), shape, dtype and version counter
+(``_version`` increases on every in-place write: optimizer steps, ``copy_``, merges). So an
+optimizer step, ``load_state_dict`` or a replaced weight invalidates it at once, and
+gradient-accumulation micro-batches or inference calls pay for the norm once.
+
+Not detectable (documented limitation): writes through ``tensor.data``, which bypass the
+version counter. Call ``clear()`` after such edits.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from .norm import base_sq_norm, factored_norm
+
+
+class _Stamp:
+    """Identity + version of one tensor at the time a value was computed."""
+
+    __slots__ = ("meta", "ref")
+
+    def __init__(self, t: torch.Tensor):
+        self.ref = weakref.ref(t)
+        self.meta = (t.data_ptr(), t._version, tuple(t.shape), t.dtype, t.device)
+
+    def matches(self, t: torch.Tensor) -> bool:
+        return self.ref() is t and self.meta == (
+            t.data_ptr(),
+            t._version,
+            tuple(t.shape),
+            t.dtype,
+            t.device,
+        )
+
+
+class NormCache:
+    """Cached ‖W‖² (keyed on W) and norm n (keyed on W, A, B, scaling, tier) of one module."""
+
+    def __init__(self) -> None:
+        self.clear()
+
+    def clear(self) -> None:
+        self._base: tuple[_Stamp, torch.Tensor] | None = None
+        self._norm: tuple[tuple, torch.Tensor] | None = None
+        self.norm_computations = 0  # how often the norm was (re)computed; for tests and logs
+
+    def base_sq(self, weight: torch.Tensor) -> torch.Tensor:
+        if self._base is None or not self._base[0].matches(weight):
+            self._base = (_Stamp(weight), base_sq_norm(weight))
+        return self._base[1]
+
+    @torch.no_grad()
+    def norm(self, weight, lora_A, lora_B, scaling: float, *, impl: str) -> torch.Tensor:
+        """Detached fp32 norm [d_out]; recomputed only when W, A, B, scaling or impl changed."""
+        base_sq = self.base_sq(weight)
+        if self._norm is not None:
+            (sw, sa, sb, s, tier), n = self._norm
+            if sw.matches(weight) and sa.matches(lora_A) and sb.matches(lora_B):
+                if s == scaling and tier == impl:
+                    return n
+        n = factored_norm(weight, lora_A, lora_B, scaling, base_sq=base_sq, impl=impl)
+        self._norm = ((_Stamp(weight), _Stamp(lora_A), _Stamp(lora_B), scaling, impl), n)
+        self.norm_computations += 1
+        return n

@@ -1,0 +1,98 @@
+"""Argument checks of the public functions: errors name the argument and show the shapes."""
+
+from __future__ import annotations
+
+import torch
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _tensor(name: str, t) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor; got {type(t).__name__}")
+    if t.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name} must be a floating-point tensor; got dtype {t.dtype}")
+    return t
+
+
+def check_adapter(weight, lora_A, lora_B, magnitude=None, bias=None) -> tuple[int, int, int]:
+    """weight [d_out, d_in], lora_A [r, d_in], lora_B [d_out, r], magnitude/bias [d_out];
+    all on one device. Returns (d_out, d_in, r)."""
+    _tensor("weight", weight)
+    _tensor("lora_A", lora_A)
+    _tensor("lora_B", lora_B)
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be 2-D [d_out, d_in]; got shape {tuple(weight.shape)}")
+    d_out, d_in = weight.shape
+    if lora_A.dim() != 2 or lora_A.shape[1] != d_in:
+        raise ValueError(
+            f"lora_A must have shape [r, d_in] with d_in={d_in} to match weight "
+            f"{tuple(weight.shape)}; got {tuple(lora_A.shape)}"
+        )
+    r = lora_A.shape[0]
+    if r < 1:
+        raise ValueError(f"lora_A must have rank r >= 1; got shape {tuple(lora_A.shape)}")
+    if lora_B.dim() != 2 or tuple(lora_B.shape) != (d_out, r):
+        raise ValueError(
+            f"lora_B must have shape [d_out, r] = ({d_out}, {r}) to match weight "
+            f"{tuple(weight.shape)} and lora_A {tuple(lora_A.shape)}; got {tuple(lora_B.shape)}"
+        )
+    for name, v in (("magnitude", magnitude), ("bias", bias)):
+        if v is None:
+            continue
+        _tensor(name, v)
+        if tuple(v.shape) != (d_out,):
+            raise ValueError(
+                f"{name} must have shape [d_out] = ({d_out},) to match weight "
+                f"{tuple(weight.shape)}; got {tuple(v.shape)}"
+            )
+    named = [("weight", weight), ("lora_A", lora_A), ("lora_B", lora_B)]
+    named += [(n, v) for n, v in (("magnitude", magnitude), ("bias", bias)) if v is not None]
+    for name, v in named[1:]:
+        if v.device != weight.device:
+            raise ValueError(f"{name} is on {v.device} but weight is on {weight.device}")
+    return d_out, d_in, r
+
+
+def check_input(x, weight) -> None:
+    """x [..., d_in] on weight's device and in weight's dtype (the base GEMM needs both)."""
+    _tensor("x", x)
+    d_in = weight.shape[1]
+    if x.dim() < 1 or x.shape[-1] != d_in:
+        raise ValueError(
+            f"x must have shape [..., d_in] with d_in={d_in} to match weight "
+            f"{tuple(weight.shape)}; got {tuple(x.shape)}"
+        )
+    if x.device != weight.device:
+        raise ValueError(f"x is on {x.device} but weight is on {weight.device}")
+    if x.dtype != weight.dtype:
+        raise TypeError(
+            f"x has dtype {x.dtype} but weight has {weight.dtype}; cast one of them "
+            "(the frozen base product runs in the activation dtype)"
+        )
+
+
+def check_scaling(scaling) -> float:
+    if isinstance(scaling, torch.Tensor) or not isinstance(scaling, (int, float)):
+        raise TypeError(f"scaling must be a Python number; got {type(scaling).__name__}")
+    s = float(scaling)
+    if s != s or s in (float("inf"), float("-inf")):
+        raise ValueError(f"scaling must be finite; got {scaling!r}")
+    return s
+
+
+def check_chunk(chunk_size) -> int | None:
+    if chunk_size is None:
+        return None
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive int or None; got {chunk_size!r}")
+    return chunk_size
+
+
+IMPLS = ("auto", "fused", "eager")
+
+
+def check_impl(impl) -> str:
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}; got {impl!r}")
+    return impl

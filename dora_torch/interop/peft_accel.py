@@ -1,0 +1,180 @@
+"""Run a Hugging Face PEFT DoRA model on dora_torch's kernels, in place.
+
+``accelerate_peft(peft_model)`` gives every eligible PEFT ``lora.Linear`` layer an
+instance-level ``forward`` that calls ``dora_torch.functional.dora_linear`` on the
+layer's own Parameters (``base_layer.weight/bias``, ``lora_A[a].weight``,
+``lora_B[a].weight``, ``lora_magnitude_vector[a].weight``, ``scaling[a]``). Nothing
+else changes: the same Parameter objects are trained, so optimizer state,
+``state_dict``, ``save_pretrained`` and ``PeftModel.from_pretrained`` keep working,
+and ``restore_peft`` deletes the instance attribute to undo it.
+
+Per call, the accelerated forward handles the common case — one active adapter,
+which is a DoRA adapter on this layer; adapters enabled and not merged; no extra
+forward arguments (``adapter_names`` mixed batches etc.); x in the base weight's
+dtype (not autocast); frozen base weight; dropout off or ``nn.Dropout`` — and
+otherwise calls PEFT's own ``forward``, so no state is ever computed wrongly.
+
+Layers that cannot be accelerated at all are left untouched and listed with the
+reason in the returned model's ``dora_acceleration_report`` (and a warning):
+non-Linear LoRA layers (Conv, Embedding, ...), ``lora.Linear`` subclasses and
+quantized or non-``nn.Linear`` bases (bitsandbytes, torchao, GPT-2 Conv1D), LoRA
+bias, layers with no DoRA adapter.
+"""
+
+from __future__ import annotations
+
+import types
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from ..cache import NormCache
+from ..checks import FLOAT_DTYPES
+from ..dispatch import resolve_impl
+from ..functional import dora_linear
+
+REPORT_ATTR = "dora_acceleration_report"
+CACHE_ATTR = "_dora_norm_cache"  # per layer; keyed on tensor identity + version (cache.py)
+
+
+@dataclass
+class AccelerationReport:
+    """Which PEFT layers run on dora_torch (``accelerated``) and which stay on PEFT's
+    path (``skipped``: module name → reason). Names are ``peft_model.named_modules()``'s."""
+
+    accelerated: list[str] = field(default_factory=list)
+    skipped: dict[str, str] = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        lines = [f"{len(self.accelerated)} DoRA layer(s) accelerated, {len(self.skipped)} skipped"]
+        lines += [f"  skipped {name}: {why}" for name, why in self.skipped.items()]
+        return "\n".join(lines)
+
+
+def _peft_classes():
+    from peft.tuners.lora.layer import Linear as LoraLinear
+    from peft.tuners.lora.layer import LoraLayer
+    from peft.tuners.lora.variants import DoraLinearVariant
+
+    return LoraLayer, LoraLinear, DoraLinearVariant
+
+
+def _why_not(module, LoraLinear, DoraLinearVariant) -> str | None:
+    """Why a LoRA layer cannot be accelerated at all, or None if it can."""
+    if type(module) is not LoraLinear:
+        return f"{type(module).__name__} is not a plain PEFT lora.Linear (only Linear is supported)"
+    base = module.get_base_layer()
+    if not isinstance(base, nn.Linear):
+        return f"base layer {type(base).__name__} is not nn.Linear"
+    if (
+        type(base.weight) not in (nn.Parameter, torch.Tensor)
+        or base.weight.dtype not in FLOAT_DTYPES
+    ):
+        return f"base weight is {type(base.weight).__name__} {base.weight.dtype} (quantized?)"
+    if getattr(module, "fan_in_fan_out", False):
+        return "fan_in_fan_out (transposed base weight)"
+    dora = [
+        a
+        for a in module.lora_magnitude_vector
+        if type(module.lora_variant.get(a)) is DoraLinearVariant
+    ]
+    if not dora:
+        return "no DoRA adapter on this layer (plain LoRA)"
+    if any(module.lora_B[a].bias is not None for a in dora):
+        return "lora_bias=True (a bias on lora_B) is not supported"
+    return None
+
+
+def _active_dora_adapter(module, x, args, kwargs, DoraLinearVariant) -> str | None:
+    """The adapter the fast path computes for this call, or None to use PEFT's path."""
+    if args or kwargs or module.disable_adapters or module.merged:
+        return None
+    active = [a for a in module.active_adapters if a in module.lora_A]
+    if len(active) != 1:
+        return None
+    a = active[0]
+    if type(module.lora_variant.get(a)) is not DoraLinearVariant:
+        return None
+    base = module.get_base_layer()
+    if x.dtype != base.weight.dtype or base.weight.requires_grad:
+        return None
+    if not isinstance(module.lora_dropout[a], nn.Identity | nn.Dropout):
+        return None
+    return a
+
+
+def _accelerated_forward(self, x, *args, **kwargs):
+    """PEFT lora.Linear.forward on dora_torch for the common case; PEFT's own otherwise."""
+    _, _, DoraLinearVariant = _peft_classes()
+    a = _active_dora_adapter(self, x, args, kwargs, DoraLinearVariant)
+    if a is None:
+        return type(self).forward(self, x, *args, **kwargs)
+    base = self.get_base_layer()
+    weight, lora_A, lora_B = base.weight, self.lora_A[a].weight, self.lora_B[a].weight
+    scaling = float(self.scaling[a])
+    norm = None
+    if not torch.compiler.is_compiling():  # version counters are read outside graphs only
+        tier = resolve_impl("auto", x, weight.shape[0])
+        norm = getattr(self, CACHE_ATTR).norm(weight, lora_A, lora_B, scaling, impl=tier)
+    drop = self.lora_dropout[a]
+    return dora_linear(
+        x,
+        weight,
+        lora_A,
+        lora_B,
+        self.lora_magnitude_vector[a].weight,
+        scaling,
+        base.bias,
+        dropout_p=drop.p if isinstance(drop, nn.Dropout) else 0.0,
+        training=self.training,
+        norm=norm,
+    )
+
+
+def _is_accelerated(module) -> bool:
+    fwd = module.__dict__.get("forward")
+    return getattr(fwd, "__func__", None) is _accelerated_forward
+
+
+def accelerate_peft(peft_model: nn.Module) -> nn.Module:
+    """Make every eligible PEFT DoRA ``lora.Linear`` of ``peft_model`` compute with dora_torch.
+
+    In place; returns ``peft_model`` with an ``AccelerationReport`` attached as
+    ``peft_model.dora_acceleration_report``. Layers left on PEFT's path are listed
+    there and in a warning. Calling it again is harmless. Raises ValueError if the
+    model has no PEFT LoRA layer at all.
+    """
+    LoraLayer, LoraLinear, DoraLinearVariant = _peft_classes()
+    report = AccelerationReport()
+    for name, module in peft_model.named_modules():
+        if not isinstance(module, LoraLayer):
+            continue
+        why = _why_not(module, LoraLinear, DoraLinearVariant)
+        if why is not None:
+            report.skipped[name] = why
+            continue
+        if not _is_accelerated(module):
+            setattr(module, CACHE_ATTR, NormCache())
+            module.forward = types.MethodType(_accelerated_forward, module)
+        report.accelerated.append(name)
+    if not report.accelerated and not report.skipped:
+        raise ValueError("peft_model has no PEFT LoRA layer; is it a PeftModel with use_dora=True?")
+    if report.skipped:
+        warnings.warn(
+            f"accelerate_peft: layers left on PEFT's path:\n{report}", RuntimeWarning, stacklevel=2
+        )
+    setattr(peft_model, REPORT_ATTR, report)
+    return peft_model
+
+
+def restore_peft(peft_model: nn.Module) -> nn.Module:
+    """Undo ``accelerate_peft``: every layer computes with PEFT's own forward again."""
+    for module in peft_model.modules():
+        if _is_accelerated(module):
+            del module.forward
+            delattr(module, CACHE_ATTR)
+    if REPORT_ATTR in peft_model.__dict__:
+        delattr(peft_model, REPORT_ATTR)
+    return peft_model

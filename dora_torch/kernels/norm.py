@@ -1,0 +1,104 @@
+"""Norm assembly from the factored terms (DESIGN §2).
+
+    n_i = sqrt(max(‖W_i‖² + 2s·Σ_j B_ij U_ij + s²·Σ_j (B G)_ij B_ij, 0))
+
+with U = W Aᵀ [d_out, r] and G = A Aᵀ [r, r] (fp32, from GEMMs). One program per block of
+rows: (B G) is formed tile by tile in registers with fp32 (IEEE) dots and reduced at once, so
+neither B G nor any [d_out, d_in] tensor is ever written.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import config
+from .common import check_launchable
+
+
+@triton.jit
+def _norm_assemble_kernel(
+    base_sq_ptr,
+    u_ptr,
+    lb_ptr,
+    g_ptr,
+    out_ptr,
+    N,
+    R,
+    stride_un,
+    stride_ur,
+    stride_bn,
+    stride_br,
+    stride_gr,
+    stride_gc,
+    s,
+    BLOCK_M: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    mask_m = rows < N
+    cross = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    gram = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    for j0 in range(0, R, BLOCK_R):
+        js = j0 + tl.arange(0, BLOCK_R)
+        mj = mask_m[:, None] & (js < R)[None, :]
+        bj = tl.load(
+            lb_ptr + rows[:, None] * stride_bn + js[None, :] * stride_br, mask=mj, other=0.0
+        ).to(tl.float32)
+        uj = tl.load(
+            u_ptr + rows[:, None] * stride_un + js[None, :] * stride_ur, mask=mj, other=0.0
+        ).to(tl.float32)
+        cross += tl.sum(bj * uj, axis=1)
+        bg = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+        for k0 in range(0, R, BLOCK_R):
+            ks = k0 + tl.arange(0, BLOCK_R)
+            bk = tl.load(
+                lb_ptr + rows[:, None] * stride_bn + ks[None, :] * stride_br,
+                mask=mask_m[:, None] & (ks < R)[None, :],
+                other=0.0,
+            ).to(tl.float32)
+            gk = tl.load(
+                g_ptr + ks[:, None] * stride_gr + js[None, :] * stride_gc,
+                mask=(ks < R)[:, None] & (js < R)[None, :],
+                other=0.0,
+            ).to(tl.float32)
+            bg = tl.dot(bk, gk, bg, input_precision="ieee")
+        gram += tl.sum(bg * bj, axis=1)
+    base_sq = tl.load(base_sq_ptr + rows, mask=mask_m, other=0.0).to(tl.float32)
+    sq = base_sq + 2.0 * s * cross + s * s * gram
+    tl.store(out_ptr + rows, tl.sqrt(tl.maximum(sq, 0.0)), mask=mask_m)
+
+
+def assemble_norm(
+    base_sq: torch.Tensor, U: torch.Tensor, lora_B: torch.Tensor, G: torch.Tensor, scaling: float
+) -> torch.Tensor:
+    """n [d_out] fp32 from base_sq [d_out] fp32, U [d_out, r] fp32, lora_B [d_out, r] (any
+    float dtype), G [r, r] fp32."""
+    check_launchable(U)
+    N, R = lora_B.shape
+    out = torch.empty(N, dtype=torch.float32, device=U.device)
+    if N == 0:
+        return out
+    bm = config.interp_small(config.NORM_BLOCK_M)
+    br = max(16, min(config.NORM_BLOCK_R, triton.next_power_of_2(R)))
+    _norm_assemble_kernel[(triton.cdiv(N, bm),)](
+        base_sq,
+        U,
+        lora_B,
+        G,
+        out,
+        N,
+        R,
+        U.stride(0),
+        U.stride(1),
+        lora_B.stride(0),
+        lora_B.stride(1),
+        G.stride(0),
+        G.stride(1),
+        float(scaling),
+        BLOCK_M=bm,
+        BLOCK_R=br,
+        num_warps=config.NORM_WARPS,
+    )
+    return out

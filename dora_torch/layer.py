@@ -1,0 +1,222 @@
+"""``dora_torch.Linear``: a DoRA-adapted linear layer with PEFT's parameter names.
+
+Parameters (state-dict keys, one-to-one with PEFT's up to the ``.weight`` / adapter-name
+suffixes, which the interop layer maps):
+
+  weight [out, in], bias [out]   frozen     PEFT: base_layer.weight / .bias
+  lora_A [r, in]                 trainable  PEFT: lora_A.<name>.weight
+  lora_B [out, r]                trainable  PEFT: lora_B.<name>.weight
+  lora_magnitude_vector [out]    trainable  PEFT: lora_magnitude_vector.<name>.weight
+
+Adapters default to fp32 (PEFT's default); the forward casts them to the activation dtype
+once per call. Initialisation as PEFT: A kaiming-uniform(a=√5), B = 0, m = ‖W + s·B·A‖_row
+(= ‖W‖_row), so a fresh layer reproduces the base layer.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from . import checks
+from .cache import NormCache
+from .functional import _dora_linear
+from .merge import merge_weight, unmerge_weight
+from .norm import factored_norm
+
+
+def scaling_for(r: int, lora_alpha: float, use_rslora: bool = False) -> float:
+    """s = alpha / r, or alpha / sqrt(r) with rsLoRA (PEFT's convention)."""
+    if isinstance(r, bool) or not isinstance(r, int) or r < 1:
+        raise ValueError(f"r must be a positive int; got {r!r}")
+    return float(lora_alpha) / (math.sqrt(r) if use_rslora else r)
+
+
+class Linear(nn.Module):
+    """DoRA linear layer. x [..., in_features] → [..., out_features] in x's dtype.
+
+    Keyword options: r, lora_alpha, use_rslora, lora_dropout (PEFT semantics), bias,
+    device, dtype (of the base weight/bias), adapter_dtype (default fp32), impl ("auto" |
+    "fused" | "eager"), exact_norm_grad. ``last_impl`` records the tier of the last call.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        r: int,
+        lora_alpha: float,
+        use_rslora: bool = False,
+        lora_dropout: float = 0.0,
+        bias: bool = True,
+        device=None,
+        dtype=None,
+        adapter_dtype: torch.dtype = torch.float32,
+        impl: str = "auto",
+        exact_norm_grad: bool = False,
+    ):
+        super().__init__()
+        base = nn.Linear(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self._setup(
+            base.weight,
+            base.bias,
+            r=r,
+            lora_alpha=lora_alpha,
+            use_rslora=use_rslora,
+            lora_dropout=lora_dropout,
+            adapter_dtype=adapter_dtype,
+            impl=impl,
+            exact_norm_grad=exact_norm_grad,
+        )
+
+    @classmethod
+    def from_linear(
+        cls,
+        linear: nn.Linear,
+        *,
+        r: int,
+        lora_alpha: float,
+        use_rslora: bool = False,
+        lora_dropout: float = 0.0,
+        adapter_dtype: torch.dtype = torch.float32,
+        impl: str = "auto",
+        exact_norm_grad: bool = False,
+    ) -> Linear:
+        """Wrap an existing ``nn.Linear``: its weight and bias Parameters are shared (not
+        copied) and frozen."""
+        if not isinstance(linear, nn.Linear):
+            raise TypeError(f"linear must be a torch.nn.Linear; got {type(linear).__name__}")
+        self = cls.__new__(cls)
+        nn.Module.__init__(self)
+        self._setup(
+            linear.weight,
+            linear.bias,
+            r=r,
+            lora_alpha=lora_alpha,
+            use_rslora=use_rslora,
+            lora_dropout=lora_dropout,
+            adapter_dtype=adapter_dtype,
+            impl=impl,
+            exact_norm_grad=exact_norm_grad,
+        )
+        return self
+
+    def _setup(
+        self,
+        weight,
+        bias,
+        *,
+        r,
+        lora_alpha,
+        use_rslora,
+        lora_dropout,
+        adapter_dtype,
+        impl,
+        exact_norm_grad,
+    ):
+        self.scaling = scaling_for(r, lora_alpha, use_rslora)
+        if not (0.0 <= float(lora_dropout) < 1.0):
+            raise ValueError(f"lora_dropout must be in [0, 1); got {lora_dropout!r}")
+        self.r, self.lora_alpha, self.use_rslora = r, lora_alpha, use_rslora
+        self.lora_dropout = float(lora_dropout)
+        self.impl = checks.check_impl(impl)
+        self.exact_norm_grad = bool(exact_norm_grad)
+        self.out_features, self.in_features = weight.shape
+        weight.requires_grad_(False)
+        self.weight = weight
+        if bias is not None:
+            bias.requires_grad_(False)
+        self.bias = bias
+        kw = {"device": weight.device, "dtype": adapter_dtype}
+        self.lora_A = nn.Parameter(torch.empty(r, self.in_features, **kw))
+        self.lora_B = nn.Parameter(torch.zeros(self.out_features, r, **kw))
+        nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
+        self._norm_cache = NormCache()
+        with torch.no_grad():
+            m = factored_norm(weight, self.lora_A, self.lora_B, self.scaling, impl="eager")
+        self.lora_magnitude_vector = nn.Parameter(m.to(adapter_dtype))
+        self.merged = False
+        self._merge_norm: torch.Tensor | None = None
+        self.last_impl: str | None = None
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, r={self.r}, "
+            f"lora_alpha={self.lora_alpha}, use_rslora={self.use_rslora}, "
+            f"lora_dropout={self.lora_dropout}, bias={self.bias is not None}, impl={self.impl!r}"
+        )
+
+    def norm(self, *, impl: str = "auto") -> torch.Tensor:
+        """The current detached norm ‖W + s·B·A‖_row, fp32 [out] (cached)."""
+        return self._norm_cache.norm(self.weight, self.lora_A, self.lora_B, self.scaling, impl=impl)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.merged:
+            self.last_impl = "merged"
+            return F.linear(x, self.weight, self.bias)
+        norm = None
+        if not self.exact_norm_grad and not torch.compiler.is_compiling():
+            # The cache reads version counters: outside compiled graphs only (a compiled
+            # module recomputes the norm inside its graph).
+            from .dispatch import resolve_impl
+
+            tier = resolve_impl(self.impl, x, self.out_features)
+            norm = self.norm(impl=tier)
+        y, tier = _dora_linear(
+            x,
+            self.weight,
+            self.lora_A,
+            self.lora_B,
+            self.lora_magnitude_vector,
+            self.scaling,
+            self.bias,
+            dropout_p=self.lora_dropout,
+            training=self.training,
+            impl=self.impl,
+            exact_norm_grad=self.exact_norm_grad,
+            norm=norm,
+        )
+        if not torch.compiler.is_compiling():
+            self.last_impl = tier
+        return y
+
+    @torch.no_grad()
+    def merge(self) -> None:
+        """Fold the adapter into ``weight`` in place: W ← g ⊙ (W + s·B·A)."""
+        if self.merged:
+            return
+        n = factored_norm(self.weight, self.lora_A, self.lora_B, self.scaling, impl="eager")
+        self.weight.copy_(
+            merge_weight(
+                self.weight,
+                self.lora_A,
+                self.lora_B,
+                self.lora_magnitude_vector,
+                self.scaling,
+                n,
+            )
+        )
+        self._merge_norm = n
+        self.merged = True
+
+    @torch.no_grad()
+    def unmerge(self) -> None:
+        """Undo ``merge`` with the norm cached at merge time."""
+        if not self.merged:
+            return
+        self.weight.copy_(
+            unmerge_weight(
+                self.weight,
+                self.lora_A,
+                self.lora_B,
+                self.lora_magnitude_vector,
+                self.scaling,
+                self._merge_norm,
+            )
+        )
+        self._merge_norm = None
+        self.merged = False

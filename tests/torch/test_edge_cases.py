@@ -1,0 +1,225 @@
+"""Edge cases, argument errors and the pieces behind the tiers (norm, compose kernels)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import dora_torch
+import shared_spec as S
+from dora_torch import config
+from dora_torch.kernels.compose import compose_elementwise, compose_forward
+
+from .helpers import max_abs, random_case_tensors
+
+IMPLS = ["eager", "fused"]
+
+
+def test_eps_matches_spec():
+    assert dora_torch.EPS == S.EPS
+
+
+@pytest.mark.parametrize("chunk", [None, 7, 1000])
+@pytest.mark.parametrize("impl", IMPLS)
+def test_factored_norm_matches_dense(impl, chunk):
+    _, W, A, B, _, _, s = random_case_tensors(3, d_in=45, d_out=33, r=6)
+    n = dora_torch.factored_norm(W, A, B, s, chunk_size=chunk, impl=impl)
+    ref = S.dense_norm(W.double().numpy(), A.double().numpy(), B.double().numpy(), s)
+    assert n.dtype == torch.float32 and n.shape == (33,)
+    np.testing.assert_allclose(n.numpy(), ref, rtol=2e-6)
+    base_sq = dora_torch.base_sq_norm(W)
+    n2 = dora_torch.factored_norm(W, A, B, s, base_sq=base_sq, impl=impl)
+    torch.testing.assert_close(n2, n)
+
+
+def test_factored_norm_bf16_accumulates_in_fp32():
+    _, W, A, B, _, _, s = random_case_tensors(4, d_in=512, d_out=16, r=8, dtype=torch.bfloat16)
+    n = dora_torch.factored_norm(W, A, B, s)
+    ref = S.dense_norm(*(t.double().numpy() for t in (W, A, B)), s)
+    assert n.dtype == torch.float32
+    np.testing.assert_allclose(n.numpy(), ref, rtol=1e-5)
+
+
+@pytest.mark.parametrize("epilogue", [True, False], ids=["gemm-epilogue", "elementwise"])
+@pytest.mark.parametrize("dropout", [False, True])
+@pytest.mark.parametrize("bias", [True, False])
+def test_both_compose_kernels_match_eager(epilogue, dropout, bias):
+    torch.manual_seed(0)
+    T, d_out, r = 37, 45, 5
+    dt = torch.bfloat16
+    # Small integers: h Bᵀ is exact in bf16 whether the kernel rounds it (cuBLAS path) or not.
+    h = torch.randint(-3, 4, (T, r)).to(dt)
+    Bw = torch.randint(-3, 4, (d_out, r)).to(dt)
+    base_d = torch.randn(T, d_out).to(dt)
+    base = torch.randn(T, d_out).to(dt) if dropout else None
+    m = torch.rand(d_out) + 0.5
+    n = torch.rand(d_out) + 0.5
+    bvec = torch.randn(d_out) if bias else None
+    lora = (h.float() @ Bw.float().t()).to(dt)
+    if dropout:
+        want = dora_torch.compose_dropout(base, base_d, lora, m, n, 2.0, bvec)
+    else:
+        want = dora_torch.compose(base_d, lora, m, n, 2.0, bvec)
+    inner_want = (base_d.float() + 2.0 * lora.float()).to(dt)
+    y, inner = compose_forward(
+        h, Bw, base_d.clone(), m, n, 2.0, bvec, base=base, store_inner=True, epilogue=epilogue
+    )
+    # One rounding of an fp32 value: at most one bf16 ulp away from the eager result.
+    torch.testing.assert_close(y, want, rtol=2**-7, atol=1e-6)
+    torch.testing.assert_close(inner, inner_want, rtol=2**-7, atol=1e-6)
+
+
+def test_compose_is_stable_near_unity_g():
+    """The naive (g − 1)·base in bf16 loses the magnitude; ours keeps it (DESIGN §3)."""
+    T, d_out = 8, 64
+    base = torch.full((T, d_out), 100.0, dtype=torch.bfloat16)
+    lora = torch.zeros(T, d_out, dtype=torch.bfloat16)
+    n = torch.ones(d_out)
+    m = n * (1 + 2**-10)  # g − 1 = 2⁻¹⁰: rounds to 0 in bf16
+    y = compose_elementwise(lora, base.clone(), m, n, 1.0)
+    want = (100.0 * (1 + 2**-10)) * torch.ones(T, d_out)
+    assert torch.equal(y, want.to(torch.bfloat16))
+    assert torch.equal(dora_torch.compose(base, lora, m, n, 1.0), y)
+
+
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
+@pytest.mark.parametrize("impl", IMPLS)
+def test_zero_magnitude_rows_get_their_gradient(impl, bias):
+    """m_i = 0 ⇒ y_i = b_i, but dm_i ≠ 0. Without bias the fused tier recovers inner from y,
+    which is impossible on such rows: the fix-up kernel must supply dm_i."""
+    x, W, A, B, m, b, s = random_case_tensors(5, d_in=30, d_out=18, r=3)
+    m[[0, 7, 17]] = 0.0
+    b = b if bias else None
+    dy = torch.randn(6, 18)
+    mm = m.clone().requires_grad_(True)
+    y = dora_torch.dora_linear(x, W, A, B, mm, s, b, impl=impl)
+    y.backward(dy)
+    want = S.dora_linear_vjp(
+        *(t.double().numpy() for t in (x, W, A, B, m)),
+        s,
+        dy.double().numpy(),
+        None if b is None else b.double().numpy(),
+    )
+    assert torch.all(mm.grad[[0, 7, 17]] != 0)
+    np.testing.assert_allclose(mm.grad.numpy(), want.dm, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_zero_rows_stay_finite(impl):
+    """W_i = B_i = 0 (n = 0 → clamped) with m_i ≠ 0 and with m_i = 0: finite outputs/grads."""
+    x, W, A, B, m, b, s = random_case_tensors(6, d_in=20, d_out=10, r=2, dtype=torch.bfloat16)
+    W[[1, 4]] = 0
+    B[[1, 4]] = 0
+    m[1], m[4] = 0.5, 0.0
+    leaves = [t.clone().requires_grad_(True) for t in (x, A, B, m)]
+    y = dora_torch.dora_linear(leaves[0], W, leaves[1], leaves[2], leaves[3], s, b, impl=impl)
+    y.float().sum().backward()
+    assert torch.isfinite(y).all()
+    torch.testing.assert_close(y[:, [1, 4]], b[[1, 4]].expand(6, 2))
+    for t in leaves:
+        assert torch.isfinite(t.grad).all()
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_non_contiguous_and_3d_input(impl):
+    x, W, A, B, m, b, s = random_case_tensors(7, d_in=24, d_out=20, r=4, lead=(4, 6))
+    xt = x.transpose(0, 1)  # [6, 4, 24], non-contiguous
+    assert not xt.is_contiguous()
+    y = dora_torch.dora_linear(xt, W, A, B, m, s, b, impl=impl)
+    ref = S.dora_linear(*(t.double().numpy() for t in (xt, W, A, B, m)), s, b.double().numpy())
+    assert y.shape == (6, 4, 20)
+    np.testing.assert_allclose(y.numpy(), ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_no_tokens_and_rank_one(impl):
+    x, W, A, B, m, b, s = random_case_tensors(8, d_in=17, d_out=9, r=1, lead=(0,))
+    leaves = [t.clone().requires_grad_(True) for t in (x, A, B, m)]
+    y = dora_torch.dora_linear(leaves[0], W, *leaves[1:3], leaves[3], s, b, impl=impl)
+    assert y.shape == (0, 9)
+    y.sum().backward()
+    assert leaves[0].grad.shape == (0, 17)
+    assert torch.count_nonzero(leaves[3].grad) == 0 and torch.count_nonzero(leaves[1].grad) == 0
+
+
+def test_inference_saves_nothing_and_matches_training_forward():
+    x, W, A, B, m, b, s = random_case_tensors(9)
+    with torch.no_grad():
+        y0 = dora_torch.dora_linear(x, W, A, B, m, s, b, impl="fused")
+    y1 = dora_torch.dora_linear(x, W, A, B.requires_grad_(True), m, s, b, impl="fused")
+    assert not y0.requires_grad and y1.requires_grad
+    torch.testing.assert_close(y0, y1.detach(), rtol=0, atol=0)
+
+
+def test_dispatch_rule_and_override():
+    x, W, A, B, m, b, s = random_case_tensors(10)
+    assert dora_torch.resolve_impl("auto", x, 20) == "eager"  # CPU → eager
+    assert dora_torch.resolve_impl("fused", x, 20) == "fused"  # interpreter (conftest)
+    with pytest.raises(TypeError, match="impl='fused'"):
+        dora_torch.resolve_impl("fused", x.double(), 20)
+    with pytest.raises(ValueError, match="impl must be one of"):
+        dora_torch.dora_linear(x, W, A, B, m, s, b, impl="triton")
+
+
+def test_fused_on_cpu_without_interpreter_is_refused(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    x, W, A, B, m, b, s = random_case_tensors(11)
+    with pytest.raises(ValueError, match="TRITON_INTERPRET"):
+        dora_torch.dora_linear(x, W, A, B, m, s, b, impl="fused")
+    assert config.interpreting() is False
+
+
+@pytest.mark.parametrize(
+    ("change", "exc", "match"),
+    [
+        ({"x": torch.randn(6, 23)}, ValueError, "x must have shape"),
+        ({"x": torch.randn(6, 24, dtype=torch.float64)}, TypeError, "x has dtype"),
+        ({"x": torch.randint(0, 3, (6, 24))}, TypeError, "x must be a floating-point"),
+        ({"W": torch.randn(20)}, ValueError, "weight must be 2-D"),
+        ({"A": torch.randn(4, 23)}, ValueError, "lora_A must have shape"),
+        ({"B": torch.randn(20, 5)}, ValueError, "lora_B must have shape"),
+        ({"B": torch.randn(4, 20)}, ValueError, "lora_B must have shape"),
+        ({"m": torch.randn(19)}, ValueError, "magnitude must have shape"),
+        ({"b": torch.randn(21)}, ValueError, "bias must have shape"),
+        ({"A": [[1.0]]}, TypeError, "lora_A must be a torch.Tensor"),
+        ({"s": torch.tensor(2.0)}, TypeError, "scaling must be a Python number"),
+        ({"s": float("nan")}, ValueError, "scaling must be finite"),
+        ({"A": torch.randn(4, 24, device="meta")}, ValueError, "lora_A is on meta"),
+    ],
+)
+def test_bad_arguments_name_the_argument(change, exc, match):
+    x, W, A, B, m, b, s = random_case_tensors(12)
+    args = {"x": x, "W": W, "A": A, "B": B, "m": m, "b": b, "s": s} | change
+    with pytest.raises(exc, match=match):
+        dora_torch.dora_linear(
+            args["x"], args["W"], args["A"], args["B"], args["m"], args["s"], args["b"]
+        )
+
+
+def test_bad_norm_arguments():
+    x, W, A, B, m, _, s = random_case_tensors(13)
+    with pytest.raises(ValueError, match="chunk_size"):
+        dora_torch.factored_norm(W, A, B, s, chunk_size=0)
+    with pytest.raises(ValueError, match="base_sq"):
+        dora_torch.factored_norm(W, A, B, s, base_sq=torch.ones(3))
+    with pytest.raises(ValueError, match="dropout_p"):
+        dora_torch.dora_linear(x, W, A, B, m, s, dropout_p=1.0, training=True)
+    with pytest.raises(ValueError, match="norm must be fp32"):
+        dora_torch.dora_linear(x, W, A, B, m, s, norm=torch.ones(20, dtype=torch.float64))
+
+
+def test_fp32_adapters_with_bf16_activations():
+    """Adapter dtype policy: fp32 A, B, m with bf16 x, W; grads come back in fp32."""
+    x, W, A, B, m, b, s = random_case_tensors(14, d_in=32, d_out=24, r=4)
+    xb, Wb, bb = x.bfloat16(), W.bfloat16(), b.bfloat16()
+    for impl in IMPLS:
+        leaves = [t.clone().requires_grad_(True) for t in (A, B, m)]
+        y = dora_torch.dora_linear(xb, Wb, *leaves, s, bb, impl=impl)
+        assert y.dtype == torch.bfloat16
+        y.float().sum().backward()
+        assert all(t.grad.dtype == torch.float32 for t in leaves)
+        ref = S.dora_linear(
+            *(t.double().numpy() for t in (xb, Wb, A, B, m)), s, bb.double().numpy()
+        )
+        assert max_abs(y, torch.from_numpy(ref)) < 0.05
