@@ -1,0 +1,279 @@
+"""Model level, JAX: the Llama-8B-shaped nnx twin with DoRA/LoRA on all seven projections.
+
+Model: ``dora_jax.models.llama`` with hidden 4096, intermediate 14336, 32 heads, 8 KV heads,
+vocab 128256, random bf16 weights, FEWER LAYERS than Llama-3-8B's 32 (default 4, env
+``DORA_BENCH_JAX_LAYERS``: XLA compiles every provider's unrolled layers, which dominates this
+benchmark's time). Adapters r = 384, alpha = 768. Input: batch 1, seq 2048; full LM head.
+
+Providers (each on a fresh ``nnx.merge`` of the same base state; bf16 activations):
+  - ``jnp_lora``: plain jnp LoRA (``dora_jax.baselines.lora_dense``), bf16 adapters;
+  - ``jnp_dora_naive``: DoRA written naively in jnp (``dora_jax.baselines.naive_dora_dense``:
+    dense ``K + s·a·b``, everything in bf16), bf16 adapters;
+  - ``ours_f32`` / ``ours_bf16``: ``dora_jax.inject`` (DoraDense, ``impl="auto"``) with f32
+    (the default) / bf16 adapter parameters; ‖K‖² cached (``cache_base_sq``; K is frozen).
+
+Metrics: ``inference_ms`` (jitted forward; ours with ``freeze_norm()``, the norm computed once
+for a fixed adapter), ``inference_cold_ms`` (ours recomputing the norm in every call),
+``grad_ms`` (jitted value-and-grad of the LM loss w.r.t. the adapter parameters), medians of
+10 calls after 3 warm-ups, and XLA's compiled temp sizes (``memory_analysis``) for both.
+
+    DORA_BENCH_JAX_LAYERS=4 python3 -m benchmarks.run --only model_jax --skip-tests
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import os
+import pathlib
+import traceback
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # share the GPU with torch
+
+HIDDEN, INTERMEDIATE, HEADS, KV_HEADS, HEAD_DIM, VOCAB = 4096, 14336, 32, 8, 128, 128256
+SEQ, BATCH, RANK, ALPHA = 2048, 1, 384, 768
+TARGET = r"(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)$"
+PROVIDERS = {
+    "jnp_lora": "jnp LoRA, bf16 adapters",
+    "jnp_dora_naive": "naive jnp DoRA (dense K + s·a·b), bf16 adapters",
+    "ours_f32": "ours (dora_jax.inject), f32 adapter params",
+    "ours_bf16": "ours (dora_jax.inject), bf16 adapter params",
+}
+TARGETS = {"time_vs_lora": 1.10, "memory_vs_lora": 1.05}  # the torch model targets, analogously
+GIB = 2.0**30
+
+
+def layers() -> int:
+    return int(os.environ.get("DORA_BENCH_JAX_LAYERS", "4"))
+
+
+def _baseline_layer(kind: str):
+    """An nnx module class wrapping an nnx.Linear with a plain-jnp LoRA or naive DoRA adapter."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from dora_jax.baselines import lora_dense, naive_dora_dense
+
+    class Baseline(nnx.Module):
+        def __init__(self, linear, *, rank, alpha, dtype, rngs):
+            d_in, d_out = linear.kernel.get_value().shape
+            self.kernel, self.bias, self.scaling = linear.kernel, linear.bias, alpha / rank
+            a = jax.random.normal(rngs.params(), (d_in, rank), jnp.float32) / math.sqrt(d_in)
+            self.lora_a = nnx.LoRAParam(a.astype(dtype))
+            # Non-zero b (a trained adapter): values do not change the cost, zeros could.
+            b = jax.random.normal(rngs.params(), (rank, d_out), jnp.float32) * 1e-3
+            self.lora_b = nnx.LoRAParam(b.astype(dtype))
+            if kind == "dora":
+                self.magnitude = nnx.LoRAParam(jnp.ones((d_out,), dtype))
+
+        def __call__(self, x):
+            k, a, b = self.kernel.get_value(), self.lora_a.get_value(), self.lora_b.get_value()
+            bias = None if self.bias is None else self.bias.get_value()
+            if kind == "lora":
+                return lora_dense(x, k, a, b, self.scaling, bias)
+            m = self.magnitude.get_value()
+            return naive_dora_dense(x, k, a, b, m, self.scaling, bias)
+
+    return Baseline
+
+
+def _replace(model, layer_cls, *, rank, alpha, dtype, rngs) -> int:
+    """Wrap every nnx.Linear matching ``TARGET`` with ``layer_cls``, in place; returns the count."""
+    import re
+
+    from flax import nnx
+
+    pattern = re.compile(TARGET)
+    found = [
+        (path, node)
+        for path, node in nnx.iter_graph(model)
+        if isinstance(node, nnx.Linear) and path and pattern.search("/".join(map(str, path)))
+    ]
+    for path, linear in found:
+        parent = model
+        for key in path[:-1]:
+            parent = parent[key] if isinstance(key, int) else getattr(parent, key)
+        new = layer_cls(linear, rank=rank, alpha=alpha, dtype=dtype, rngs=rngs)
+        if isinstance(path[-1], int):
+            parent[path[-1]] = new
+        else:
+            setattr(parent, path[-1], new)
+    return len(found)
+
+
+def build_base(n_layers: int):
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from dora_jax.models import llama
+
+    cfg = llama.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=INTERMEDIATE,
+        num_hidden_layers=n_layers,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        head_dim=HEAD_DIM,
+    )
+    return llama.LlamaForCausalLM(cfg, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+
+
+def _adapt(model, name: str):
+    """Put provider ``name``'s adapters into ``model`` (in place)."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    rngs = nnx.Rngs(1)
+    if name in ("jnp_lora", "jnp_dora_naive"):
+        kind = "lora" if name == "jnp_lora" else "dora"
+        _replace(
+            model, _baseline_layer(kind), rank=RANK, alpha=ALPHA, dtype=jnp.bfloat16, rngs=rngs
+        )
+        return
+    import dora_jax
+    from dora_jax import DoraDense
+
+    dtype = jnp.float32 if name == "ours_f32" else jnp.bfloat16
+    dora_jax.inject(model, target=TARGET, rank=RANK, alpha=ALPHA, rngs=rngs, adapter_dtype=dtype)
+    for _, node in nnx.iter_graph(model):
+        if isinstance(node, DoraDense):
+            node.cache_base_sq()
+
+
+def _freeze_norms(model) -> bool:
+    from flax import nnx
+
+    from dora_jax import DoraDense
+
+    layers = [n for _, n in nnx.iter_graph(model) if isinstance(n, DoraDense)]
+    for layer in layers:
+        layer.freeze_norm()
+    return bool(layers)
+
+
+def _measure(model, ids) -> dict:
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from .measure import jax_temp_bytes, jax_time_ms
+
+    def jitted(model):
+        gdef, adapters, rest = nnx.split(model, nnx.LoRAParam, ...)
+
+        @jax.jit
+        def forward(adapters, rest, ids):
+            return nnx.merge(gdef, adapters, rest)(ids)
+
+        @jax.jit
+        def grad(adapters, rest, ids):
+            def loss(adapters):
+                logits = nnx.merge(gdef, adapters, rest)(ids)[:, :-1].astype(jnp.float32)
+                logp = jax.nn.log_softmax(logits, axis=-1)
+                return -jnp.mean(jnp.take_along_axis(logp, ids[:, 1:, None], axis=-1))
+
+            return jax.value_and_grad(loss)(adapters)
+
+        return forward, grad, adapters, rest
+
+    res = {}
+    forward, grad, adapters, rest = jitted(model)
+    res["grad_temp_gib"] = (jax_temp_bytes(grad, adapters, rest, ids) or 0) / GIB
+    res["grad_ms"] = jax_time_ms(lambda: grad(adapters, rest, ids))
+    if _freeze_norms(model):  # ours: the cold forward first, then the frozen-norm one
+        res["inference_cold_ms"] = jax_time_ms(lambda: forward(adapters, rest, ids))
+        forward, _, adapters, rest = jitted(model)
+    res["inference_temp_gib"] = (jax_temp_bytes(forward, adapters, rest, ids) or 0) / GIB
+    res["inference_ms"] = jax_time_ms(lambda: forward(adapters, rest, ids))
+    return res
+
+
+def _summary(by_name: dict[str, dict], n_layers: int) -> list[dict]:
+    out = []
+
+    def ratio(a, b, key):
+        x, y = by_name.get(a, {}).get(key), by_name.get(b, {}).get(key)
+        return None if x is None or y is None or y == 0 else x / y
+
+    def add(metric, value, limit=None):
+        if value is None:
+            return
+        row = dict(bench="model_jax", metric=f"{metric} [{n_layers}L]", value=value)
+        if limit is not None:
+            row.update(target=f"<= {limit}", ok=value <= limit)
+        out.append(row)
+
+    for ours in ("ours_f32", "ours_bf16"):
+        for key, what in (("inference_ms", "inference"), ("grad_ms", "grad step")):
+            add(
+                f"{ours} / jnp LoRA bf16, {what} time",
+                ratio(ours, "jnp_lora", key),
+                TARGETS["time_vs_lora"],
+            )
+            add(f"speedup naive jnp DoRA / {ours}, {what}", ratio("jnp_dora_naive", ours, key))
+        add(
+            f"{ours} / jnp LoRA bf16, grad temp memory",
+            ratio(ours, "jnp_lora", "grad_temp_gib"),
+            TARGETS["memory_vs_lora"],
+        )
+    return out
+
+
+def run(out_dir: pathlib.Path) -> list[dict]:
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from .measure import free_cuda
+
+    free_cuda()  # hand torch's cached blocks back before XLA allocates
+    n_layers = layers()
+    print(
+        f"[model_jax] Llama-8B shapes with {n_layers} layers (of 32), r={RANK}, seq {SEQ}, "
+        f"backend {jax.default_backend()}"
+    )
+    base = build_base(n_layers)
+    gdef, state = nnx.split(base)
+    ids = jax.random.randint(jax.random.key(0), (BATCH, SEQ), 0, VOCAB, dtype=jnp.int32)
+    rows, by_name = [], {}
+    for name, label in PROVIDERS.items():
+        row = dict(provider=name, label=label, layers=n_layers, error="")
+        try:
+            model = nnx.merge(gdef, state)  # a fresh module tree over the same base arrays
+            _adapt(model, name)
+            row.update(_measure(model, ids))
+            by_name[name] = row
+        except Exception as e:  # one failing provider must not end the others
+            traceback.print_exc()
+            row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+        finally:
+            model = None
+            jax.clear_caches()
+        rows.append(row)
+        print(
+            f"[model_jax] {name}: "
+            + ", ".join(f"{k}={v:.4g}" for k, v in row.items() if isinstance(v, float))
+            + (f" ERROR {row['error']}" if row["error"] else ""),
+            flush=True,
+        )
+
+    out_dir = pathlib.Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fields = [
+        "provider",
+        "label",
+        "layers",
+        "inference_ms",
+        "inference_cold_ms",
+        "grad_ms",
+        "inference_temp_gib",
+        "grad_temp_gib",
+        "error",
+    ]
+    with (out_dir / "model_jax.csv").open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=fields, restval="")
+        w.writeheader()
+        w.writerows(rows)
+    return _summary(by_name, n_layers)

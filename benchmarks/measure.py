@@ -1,0 +1,93 @@
+"""CUDA timing and peak-memory helpers shared by the norm, model and convergence benchmarks.
+
+Times are medians over CUDA-event-timed iterations after warm-up; memory is the peak the
+caching allocator saw during one call, over what was allocated before it (so weights and
+inputs already resident do not count, and the call's own output does).
+"""
+
+from __future__ import annotations
+
+import gc
+import statistics
+from collections.abc import Callable
+
+
+def free_cuda() -> None:
+    """Drop unreachable tensors and return cached blocks, so the next provider starts clean."""
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+def cuda_time_ms(
+    fn: Callable[[], object],
+    *,
+    warmup: int = 3,
+    iters: int = 10,
+    before: Callable[[], object] | None = None,
+) -> float:
+    """Median wall time of ``fn()`` on the current CUDA stream, in milliseconds.
+
+    ``before`` runs untimed ahead of every call (e.g. clearing ``.grad``). A fixed iteration
+    count (not a time budget) keeps slow model-level steps from being timed once.
+    """
+    import torch
+
+    times = []
+    for i in range(warmup + iters):
+        if before is not None:
+            before()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        if i >= warmup:
+            times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def cuda_peak_bytes(fn: Callable[[], object], *, before: Callable[[], object] | None = None) -> int:
+    """Peak bytes allocated during one ``fn()`` call above the level just before it.
+
+    The result of ``fn`` is kept alive until the peak is read, then dropped.
+    """
+    import torch
+
+    if before is not None:
+        before()
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    start = torch.cuda.memory_allocated()
+    out = fn()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - start
+    del out
+    return int(peak)
+
+
+def jax_time_ms(fn: Callable[[], object], *, warmup: int = 3, iters: int = 10) -> float:
+    """Median wall time of ``fn()`` (a jitted JAX call) until its result is ready, in ms."""
+    import time
+
+    import jax
+
+    times = []
+    for i in range(warmup + iters):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        if i >= warmup:
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def jax_temp_bytes(jitted, *args) -> int | None:
+    """XLA's compiled temporary buffer size for ``jitted(*args)`` (None if not reported)."""
+    analysis = jitted.lower(*args).compile().memory_analysis()
+    if analysis is None:
+        return None
+    return int(analysis.temp_size_in_bytes)

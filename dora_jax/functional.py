@@ -1,0 +1,100 @@
+"""``dora_dense``: the DoRA layer as a pure function of arrays (Flax layout)."""
+
+from __future__ import annotations
+
+import jax
+
+from .checks import (
+    check_adapter,
+    check_chunk_size,
+    check_floating,
+    check_input,
+    check_scaling,
+    check_vector,
+)
+from .config import DEFAULT_BLOCKS, OPS, BlockConfig, resolve_impl
+from .vjp import Options, dora_core
+
+
+def dora_dense(
+    x,
+    kernel,
+    lora_a,
+    lora_b,
+    magnitude,
+    scaling,
+    bias=None,
+    *,
+    impl: str = "auto",
+    exact_norm_grad: bool = False,
+    norm=None,
+    base_sq=None,
+    chunk_size: int | None = None,
+    interpret: bool | None = None,
+    config: BlockConfig = DEFAULT_BLOCKS,
+):
+    """DoRA dense layer ``y = g ⊙ (x·K + s·(x·a)·b) + bias``, g = m / max(||K + s·a·b||_col, eps).
+
+    Args:
+      x: [..., d_in], any leading dims (including none-sized ones); sets the activation dtype.
+      kernel: [d_in, d_out] frozen base weight (cast to x's dtype if it differs).
+      lora_a: [d_in, r]. lora_b: [r, d_out]. magnitude: [d_out]. bias: [d_out] or None.
+        Adapters may be f32 (the default ``param_dtype``): they are cast to the activation
+        dtype for the products, which accumulate in f32; their gradients come back in f32.
+      scaling: the adapter scale s (a Python number: alpha / r, or alpha / sqrt(r)).
+      impl: "pallas", "xla", or "auto" (the measured table in ``dora_jax.config``).
+      exact_norm_grad: differentiate through the norm too (default: norm detached, as in the
+        DoRA paper and PEFT).
+      norm: optional precomputed column norm f32 [d_out] (e.g. cached for inference with frozen
+        adapters); treated as a constant. Cannot be combined with ``exact_norm_grad``.
+      base_sq: optional precomputed ``||K_:j||²`` f32 [d_out] (K is frozen, so it can be cached).
+      chunk_size: accumulate the norm's GEMMs over slices of d_in.
+      interpret: run Pallas kernels in interpret mode (default: when not on a GPU).
+
+    Returns [..., d_out] in x's dtype. The norm and the composition run in f32 and the output is
+    rounded once. Works under jit, grad, vmap and remat.
+    """
+    d_in, d_out, r = check_adapter(kernel, lora_a, lora_b)
+    check_input(x, d_in)
+    check_vector("magnitude", magnitude, d_out)
+    check_vector("bias", bias, d_out)
+    check_vector("norm", norm, d_out)
+    check_vector("base_sq", base_sq, d_out)
+    if magnitude is None:
+        raise ValueError("magnitude must be an array of shape [d_out]; got None")
+    check_floating("magnitude", magnitude)
+    s = check_scaling(scaling)
+    chunk_size = check_chunk_size(chunk_size)
+    if norm is not None and exact_norm_grad:
+        raise ValueError(
+            "norm is a precomputed constant; it cannot be combined with exact_norm_grad"
+        )
+
+    platform = jax.default_backend()
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, d_in)
+    shape = (x2.shape[0], d_in, d_out, r)
+    opts = Options(
+        scaling=s,
+        exact_norm_grad=bool(exact_norm_grad),
+        norm_impl=resolve_impl(impl, "norm", platform=platform, shape=shape),
+        compose_impl=resolve_impl(impl, "compose", platform=platform, shape=shape),
+        reduce_impl=resolve_impl(impl, "scale_reduce", platform=platform, shape=shape),
+        interpret=(platform != "gpu") if interpret is None else bool(interpret),
+        chunk_size=chunk_size,
+        config=config,
+    )
+    kernel = kernel if kernel.dtype == x.dtype else kernel.astype(x.dtype)
+    y = dora_core(opts, x2, kernel, lora_a, lora_b, magnitude, bias, base_sq, norm)
+    return y.reshape(*lead, d_out)
+
+
+def resolved_impls(x_shape, kernel_shape, rank: int, *, impl: str = "auto") -> dict[str, str]:
+    """What ``impl`` resolves to per op for these shapes on the current backend (for logs)."""
+    d_in, d_out = kernel_shape
+    tokens = 1
+    for d in x_shape[:-1]:
+        tokens *= int(d)
+    shape = (tokens, d_in, d_out, int(rank))
+    platform = jax.default_backend()
+    return {op: resolve_impl(impl, op, platform=platform, shape=shape) for op in OPS}

@@ -1,0 +1,102 @@
+"""The factored DoRA weight norm in Flax layout (DESIGN §2), without the dense a·b.
+
+For each output column j of the effective kernel K + s·a·b (norm over d_in):
+
+    n_j² = ||K_:j||²                    base_sq (K frozen: callers may cache it)
+         + 2s · Σ_k b_kj U_kj            U = aᵀK  [r, d_out]   (one XLA GEMM)
+         + s² · Σ_kl b_kj G_kl b_lj      G = aᵀa  [r, r]
+
+All products take a in the kernel's dtype with f32 accumulation; the assembly is f32.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from . import kernels, xla_ops
+from .checks import check_adapter, check_chunk_size, check_scaling, check_vector
+from .config import DEFAULT_BLOCKS, BlockConfig, dot_precision, resolve_impl
+
+_F32 = jnp.float32
+# contract axis 0 of both operands: aᵀK and aᵀa without materialising a transpose
+_CONTRACT_0 = (((0,), (0,)), ((), ()))
+
+
+def base_sq_norm(kernel, *, chunk_size=None):
+    """``||K_:j||²`` per output column, f32 [d_out]; kernel [d_in, d_out] any float dtype."""
+    if jnp.ndim(kernel) != 2:
+        raise ValueError(f"kernel must be 2-D [d_in, d_out]; got shape {jnp.shape(kernel)}")
+    total = None
+    for sl in _chunks(kernel.shape[0], check_chunk_size(chunk_size)):
+        part = jnp.sum(jnp.square(kernel[sl].astype(_F32)), axis=0)
+        total = part if total is None else total + part
+    return total
+
+
+def norm_gemms(kernel, lora_a, *, chunk_size=None):
+    """(U = aᵀK [r, d_out], G = aᵀa [r, r]) in f32; a is cast to the kernel's dtype.
+
+    With ``chunk_size`` both are accumulated over slices of d_in, bounding the transient of
+    each GEMM's operands.
+    """
+    a = lora_a.astype(kernel.dtype)
+    u = gram = None
+    for sl in _chunks(kernel.shape[0], check_chunk_size(chunk_size)):
+        du = lax.dot_general(a[sl], kernel[sl], _CONTRACT_0, preferred_element_type=_F32)
+        dg = lax.dot_general(a[sl], a[sl], _CONTRACT_0, preferred_element_type=_F32)
+        u, gram = (du, dg) if u is None else (u + du, gram + dg)
+    return u, gram
+
+
+def factored_norm(
+    kernel,
+    lora_a,
+    lora_b,
+    scaling,
+    *,
+    base_sq=None,
+    chunk_size=None,
+    impl: str = "auto",
+    interpret: bool | None = None,
+    config: BlockConfig = DEFAULT_BLOCKS,
+):
+    """Column norms of ``kernel + s·lora_a·lora_b`` (Flax layout), f32 [d_out].
+
+    Args:
+      kernel: [d_in, d_out]. lora_a: [d_in, r]. lora_b: [r, d_out]. scaling: s (a number).
+      base_sq: optional precomputed ``||kernel_:j||²`` [d_out] (see ``base_sq_norm``).
+      chunk_size: accumulate the GEMMs over slices of d_in of this width.
+      impl: "auto", "pallas" or "xla" for the assembly step (the GEMMs are always XLA).
+      interpret: run Pallas in interpret mode; default: when the backend is not a GPU.
+
+    lora_a and lora_b are cast to the kernel's dtype (the adapter as the forward applies it);
+    every accumulation is f32. Never forms the dense [d_in, d_out] product a·b.
+    """
+    d_in, d_out, r = check_adapter(kernel, lora_a, lora_b)
+    s = check_scaling(scaling)
+    check_vector("base_sq", base_sq, d_out)
+    b = lora_b.astype(kernel.dtype)
+    u, gram = norm_gemms(kernel, lora_a, chunk_size=chunk_size)
+    if base_sq is None:
+        base_sq = base_sq_norm(kernel, chunk_size=chunk_size)
+    precision = dot_precision(kernel.dtype)
+    platform = jax.default_backend()
+    if resolve_impl(impl, "norm", platform=platform, shape=(0, d_in, d_out, r)) == "pallas":
+        return kernels.norm_assembly(
+            u,
+            gram,
+            b,
+            base_sq,
+            scaling=s,
+            precision=precision,
+            config=config,
+            interpret=(platform != "gpu") if interpret is None else interpret,
+        )
+    return xla_ops.norm_assembly(u, gram, b, base_sq, scaling=s, precision=precision)
+
+
+def _chunks(n: int, chunk: int | None):
+    step = n if chunk is None else chunk
+    return [slice(i, min(i + step, n)) for i in range(0, max(n, 1), max(step, 1))]

@@ -1,0 +1,229 @@
+"""The DoRA layer as a ``jax.custom_vjp`` on 2-D inputs (Flax layout); ``functional`` wraps it.
+
+Forward (DESIGN §1, §2), with cd the activation dtype:
+
+    n = ||K + s·a·b||_col          factored (U = aᵀK, G = aᵀa), f32, or given precomputed
+    g = m / max(n, eps)            f32
+    h = x·a (cd),  base = x·K (cd)
+    y = g ⊙ (base + s·h·b) + bias  (f32, rounded once to cd)
+
+Backward (DESIGN §4) with dy_g = g ⊙ dy, P = hᵀ·dy [r, N] and ``saved`` the [T, N] activation
+the forward kept (``inner`` = base + s·h·b from the XLA compose, or ``base`` from the Pallas
+one, whose fused epilogue never materialises inner):
+
+    dm = (Σ_t dy ⊙ inner) / n,  Σ_t dy ⊙ inner = Σ_t dy ⊙ base + s·Σ_k b ⊙ P
+    db = s·P ⊙ g,   q = s·dy_g·bᵀ [T, r],   da = xᵀ·q,   dx = dy_g·Kᵀ + q·aᵀ,   dK = xᵀ·dy_g
+
+The norm is a constant unless ``exact_norm_grad``; then, with c = (dL/dn)/n (zero where n was
+clamped by eps), the terms through n are added:
+
+    db += c ⊙ (s·U + s²·G·b),   da += s·K·(b ⊙ c)ᵀ + s²·a·((b ⊙ c)·bᵀ),   dK += c ⊙ (K + s·a·b)
+
+Residuals: x, h [T, r], saved [T, N], and O(N·r) f32 vectors/matrices; never a [d_in, N]
+temporary. Gradients are computed only for inputs JAX marks as perturbed (symbolic zeros), so
+a frozen kernel costs no dK GEMM even without jit.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.custom_derivatives import SymbolicZero
+
+from shared_spec.compose import EPS
+
+from . import kernels, xla_ops
+from .config import BlockConfig, dot_precision
+from .norm import base_sq_norm, norm_gemms
+
+_F32 = jnp.float32
+_CONTRACT_0 = (((0,), (0,)), ((), ()))  # aᵀ·b without a transpose
+
+
+@dataclass(frozen=True)
+class Options:
+    """Static (hashable) configuration of one call; impls are already resolved per op."""
+
+    scaling: float
+    exact_norm_grad: bool
+    norm_impl: str
+    compose_impl: str
+    reduce_impl: str
+    interpret: bool
+    chunk_size: int | None
+    config: BlockConfig
+
+
+def _norm_parts(opts: Options, kernel, lora_a, lora_b, base_sq):
+    """(n, U, G): the factored norm and the GEMM results the exact gradient reuses."""
+    b = lora_b.astype(kernel.dtype)
+    u, gram = norm_gemms(kernel, lora_a, chunk_size=opts.chunk_size)
+    if base_sq is None:
+        base_sq = base_sq_norm(kernel, chunk_size=opts.chunk_size)
+    precision = dot_precision(kernel.dtype)
+    if opts.norm_impl == "pallas":
+        n = kernels.norm_assembly(
+            u,
+            gram,
+            b,
+            base_sq,
+            scaling=opts.scaling,
+            precision=precision,
+            config=opts.config,
+            interpret=opts.interpret,
+        )
+    else:
+        n = xla_ops.norm_assembly(u, gram, b, base_sq, scaling=opts.scaling, precision=precision)
+    return n, u, gram
+
+
+def _forward(opts: Options, x, kernel, lora_a, lora_b, magnitude, bias, base_sq, norm):
+    """Returns (y, residuals). x [T, d_in] and kernel [d_in, N] share the activation dtype."""
+    cd = x.dtype
+    s = opts.scaling
+    if norm is None:
+        n, u, gram = _norm_parts(opts, kernel, lora_a, lora_b, base_sq)
+    else:
+        n, u, gram = norm.astype(_F32), None, None
+    g = magnitude.astype(_F32) / jnp.maximum(n, EPS)
+    a_c, b_c = lora_a.astype(cd), lora_b.astype(cd)
+    h = jnp.dot(x, a_c, preferred_element_type=_F32).astype(cd)
+    base = jnp.dot(x, kernel)
+    if opts.compose_impl == "pallas":
+        y = kernels.compose(
+            base,
+            h,
+            b_c,
+            g,
+            bias,
+            scaling=s,
+            precision=dot_precision(cd),
+            config=opts.config,
+            interpret=opts.interpret,
+        )
+        saved, saved_is_inner = base, False
+    else:
+        y, saved = xla_ops.compose(base, h, b_c, g, bias, scaling=s, precision=dot_precision(cd))
+        saved_is_inner = True
+    res = (x, kernel, lora_a, lora_b, magnitude, bias, h, saved, g, n, u, gram)
+    return y, (res, saved_is_inner)
+
+
+@jax.tree_util.register_static
+@dataclass(frozen=True)
+class _Flags:
+    """Static facts the backward needs: which inputs are perturbed, what the forward saved."""
+
+    perturbed: tuple[bool, ...]  # x, kernel, lora_a, lora_b, magnitude, bias
+    saved_is_inner: bool
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def dora_core(opts: Options, x, kernel, lora_a, lora_b, magnitude, bias, base_sq, norm):
+    """DoRA forward on x [T, d_in]; see the module docstring. Returns [T, N] in x's dtype.
+
+    kernel must already be in x's dtype; lora_a/lora_b/magnitude/bias keep their own dtypes
+    (their gradients come back in them, accumulated in f32). base_sq and norm (f32 [N] or None)
+    are constants: they get no gradient.
+    """
+    return _forward(opts, x, kernel, lora_a, lora_b, magnitude, bias, base_sq, norm)[0]
+
+
+def _fwd(opts: Options, x, kernel, lora_a, lora_b, magnitude, bias, base_sq, norm):
+    def val(p):
+        return None if p is None else p.value
+
+    y, (res, saved_is_inner) = _forward(
+        opts, *(val(p) for p in (x, kernel, lora_a, lora_b, magnitude, bias, base_sq, norm))
+    )
+    perturbed = tuple(
+        p is not None and p.perturbed for p in (x, kernel, lora_a, lora_b, magnitude, bias)
+    )
+    return y, (res, _Flags(perturbed, saved_is_inner))
+
+
+def _bwd(opts: Options, packed, dy):
+    res, flags = packed
+    px, pk, pa, pb, pm, pbias = flags.perturbed
+    saved_is_inner = flags.saved_is_inner
+    x, kernel, lora_a, lora_b, magnitude, bias, h, saved, g, n, u, gram = res
+    none8 = (None,) * 8
+    if isinstance(dy, SymbolicZero):
+        return none8
+    cd = x.dtype
+    s = opts.scaling
+    exact = opts.exact_norm_grad
+    n_safe = jnp.maximum(n, EPS)
+    b_c = lora_b.astype(cd)
+    a_c = lora_a.astype(cd)
+
+    if opts.reduce_impl == "pallas":
+        dy_g, col = kernels.scale_reduce(dy, saved, g, config=opts.config, interpret=opts.interpret)
+    else:
+        dy_g, col = xla_ops.scale_reduce(dy, saved, g)
+
+    need_p = pb or exact or (pm and not saved_is_inner)
+    p = lax.dot_general(h, dy, _CONTRACT_0, preferred_element_type=_F32) if need_p else None
+    # Σ_t dy ⊙ inner; with base saved, the LoRA part comes from P = hᵀ·dy (already needed for db)
+    inner_dot = None
+    if pm or exact:
+        inner_dot = col if saved_is_inner else col + s * jnp.sum(b_c.astype(_F32) * p, axis=0)
+
+    dx = dk = da = db = dm = dbias = None
+    if pm:
+        dm = (inner_dot / n_safe).astype(magnitude.dtype)
+    if pbias:
+        dbias = jnp.sum(dy.astype(_F32), axis=0).astype(bias.dtype)
+    if pb or exact:
+        db = s * p * g[None, :]
+    if pa or px:
+        q = (s * jnp.dot(dy_g, b_c.T, preferred_element_type=_F32)).astype(cd)  # [T, r]
+        if pa:
+            da = lax.dot_general(x, q, _CONTRACT_0, preferred_element_type=_F32)
+        if px:
+            dx = jnp.dot(dy_g, kernel.T) + jnp.dot(q, a_c.T)
+    if pk:
+        dk = lax.dot_general(x, dy_g, _CONTRACT_0, preferred_element_type=_F32)
+
+    if exact:
+        dn = -(magnitude.astype(_F32) / (n_safe * n_safe)) * inner_dot
+        c = jnp.where(n >= EPS, dn / n_safe, 0.0)
+        bc = b_c.astype(_F32) * c[None, :]  # [r, N]
+        prec = dot_precision(cd)
+        gb = jnp.dot(gram, b_c.astype(_F32), precision=prec, preferred_element_type=_F32)
+        if pb:
+            db = db + c[None, :] * (s * u + s * s * gb)
+        if pa:
+            bbt = jnp.dot(bc, b_c.astype(_F32).T, precision=prec, preferred_element_type=_F32)
+            da = (
+                da
+                + s * jnp.dot(kernel, bc.astype(cd).T, preferred_element_type=_F32)
+                + s * s * jnp.dot(lora_a.astype(_F32), bbt, precision=prec)
+            )
+        if pk:
+            dk = (
+                dk
+                + kernel.astype(_F32) * c[None, :]
+                + s * jnp.dot(a_c, bc.astype(cd), preferred_element_type=_F32)
+            )
+
+    def cast(v, like, wanted):
+        return None if (v is None or not wanted) else v.astype(like.dtype)
+
+    return (
+        cast(dx, x, px),
+        cast(dk, kernel, pk),
+        cast(da, lora_a, pa),
+        cast(db, lora_b, pb),
+        dm,
+        dbias,
+        None,
+        None,
+    )
+
+
+dora_core.defvjp(_fwd, _bwd, symbolic_zeros=True)

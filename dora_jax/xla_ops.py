@@ -1,0 +1,40 @@
+"""XLA counterparts of the Pallas kernels in ``dora_jax.kernels`` (same math, same shapes).
+
+Written so XLA fuses each into the GEMM next to it or into one elementwise pass: activations stay
+in their dtype, only the per-column quantities (g, norms, sums) are f32 (DESIGN §5).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+_F32 = jnp.float32
+
+
+def compose(base, h, lora_b, g, bias=None, *, scaling: float, precision=None):
+    """``g ⊙ (base + s·h·lora_b) + bias``; returns (y, inner).
+
+    inner = base + s·h·lora_b [T, N] is rounded to the activation dtype (XLA folds the add into
+    the LoRA GEMM); the scale by g and the bias run in f32 and round once. The backward saves
+    ``inner``: its buffer replaces base's, so the forward holds one [T, N] temporary, as LoRA.
+    """
+    lora = jnp.dot(h, lora_b, precision=precision)
+    inner = base + (scaling * lora).astype(base.dtype)
+    y = g[None, :] * inner.astype(_F32)
+    if bias is not None:
+        y = y + bias.astype(_F32)[None, :]
+    return y.astype(base.dtype), inner
+
+
+def scale_reduce(dy, saved, g):
+    """(g ⊙ dy in dy's dtype, Σ_t dy ⊙ saved in f32): one elementwise pass with a column sum."""
+    dy32 = dy.astype(_F32)
+    return (dy32 * g[None, :]).astype(dy.dtype), jnp.sum(dy32 * saved.astype(_F32), axis=0)
+
+
+def norm_assembly(u, gram, lora_b, base_sq, *, scaling: float, precision=None):
+    """n_j = sqrt(max(base_sq_j + Σ_k b_kj (2s·U_kj + s²·(G b)_kj), 0)), f32 [N]."""
+    b = lora_b.astype(_F32)
+    gb = jnp.dot(gram.astype(_F32), b, precision=precision, preferred_element_type=_F32)
+    sq = base_sq.astype(_F32) + jnp.sum(b * (2.0 * scaling * u + scaling * scaling * gb), axis=0)
+    return jnp.sqrt(jnp.maximum(sq, 0.0))

@@ -1,0 +1,167 @@
+"""dora_dense and factored_norm: gradients by finite differences, transforms, edge cases, errors."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.test_util import check_grads
+
+import shared_spec as S
+from dora_jax import factored_norm
+from dora_jax.functional import dora_dense, resolved_impls
+from shared_spec.cases import CASES
+
+IMPLS = ["xla", "pallas"]
+
+
+def _flax(case_name, dtype=jnp.float32, seed=0):
+    d = CASES[case_name].make(seed)
+    k, a, b = S.to_flax_layout(d.W, d.A, d.B)
+    arr = [None if v is None else jnp.asarray(v, dtype) for v in (d.x, k, a, b, d.m, d.bias)]
+    return d, arr
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("chunk_size", [None, 5])
+def test_factored_norm_matches_spec(impl, chunk_size):
+    d, (_, k, a, b, _, _) = _flax("odd_shapes")
+    ref = S.dense_norm(d.W, d.A, d.B, d.scaling)
+    n = factored_norm(k, a, b, d.scaling, impl=impl, chunk_size=chunk_size)
+    assert n.dtype == jnp.float32 and n.shape == (d.W.shape[0],)
+    np.testing.assert_allclose(np.asarray(n), ref, rtol=2e-6)
+    base_sq = S.base_sq_norm(d.W).astype(np.float32)
+    n2 = factored_norm(k, a, b, d.scaling, impl=impl, base_sq=jnp.asarray(base_sq))
+    np.testing.assert_allclose(np.asarray(n2), ref, rtol=2e-6)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_check_grads_exact_mode(impl):
+    """Finite differences agree with the custom VJP when the norm is differentiated too."""
+    _, (x, k, a, b, m, bias) = _flax("odd_shapes")
+
+    def f(x, a, b, m, bias):
+        return dora_dense(x, k, a, b, m, 2.0, bias, impl=impl, exact_norm_grad=True)
+
+    check_grads(f, (x, a, b, m, bias), order=1, modes=["rev"], eps=1e-2, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_check_grads_detached_mode_x_and_m(impl):
+    """With the norm detached the VJP is exact for x, magnitude and bias (n is constant there)."""
+    _, (x, k, a, b, m, bias) = _flax("basic")
+
+    def f(x, m, bias):
+        return dora_dense(x, k, a, b, m, 2.0, bias, impl=impl)
+
+    check_grads(f, (x, m, bias), order=1, modes=["rev"], eps=1e-2, atol=2e-2, rtol=2e-2)
+
+
+def test_detached_gradient_differs_from_exact():
+    """The option changes what it claims to: dA/dB move, dm does not."""
+    _, (x, k, a, b, m, bias) = _flax("magnitude_perturbed")
+
+    def loss(a, b, m, exact):
+        return jnp.sum(dora_dense(x, k, a, b, m, 2.0, bias, impl="xla", exact_norm_grad=exact))
+
+    g0 = jax.grad(loss, argnums=(0, 1, 2))(a, b, m, False)
+    g1 = jax.grad(loss, argnums=(0, 1, 2))(a, b, m, True)
+    assert not np.allclose(g0[0], g1[0]) and not np.allclose(g0[1], g1[1])
+    np.testing.assert_allclose(g0[2], g1[2], rtol=1e-6)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_jit_vmap_remat_agree(impl):
+    _, (x, k, a, b, m, bias) = _flax("batched_3d")  # x [2, 5, 24]
+
+    def loss(x, a, b, m):
+        return jnp.sum(jnp.sin(dora_dense(x, k, a, b, m, 2.0, bias, impl=impl)))
+
+    eager = jax.value_and_grad(loss, argnums=(0, 1, 2, 3))(x, a, b, m)
+    jitted = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))(x, a, b, m)
+    remat = jax.jit(jax.value_and_grad(jax.checkpoint(loss), argnums=(0, 1, 2, 3)))(x, a, b, m)
+    for other in (jitted, remat):
+        for u, v in zip(jax.tree.leaves(eager), jax.tree.leaves(other)):
+            np.testing.assert_allclose(u, v, rtol=2e-5, atol=1e-6)
+
+    # vmap over the leading axis of x equals the 3-D call
+    y3 = dora_dense(x, k, a, b, m, 2.0, bias, impl=impl)
+    yv = jax.vmap(lambda xi: dora_dense(xi, k, a, b, m, 2.0, bias, impl=impl))(x)
+    np.testing.assert_allclose(yv, y3, rtol=1e-5, atol=1e-6)
+    # and vmap over per-example adapters (a batch of magnitudes) matches a loop
+    ms = jnp.stack([m, 2 * m])
+    yb = jax.vmap(lambda mi: dora_dense(x, k, a, b, mi, 2.0, bias, impl=impl))(ms)
+    np.testing.assert_allclose(
+        yb[1], dora_dense(x, k, a, b, 2 * m, 2.0, bias, impl=impl), rtol=1e-5
+    )
+    gv = jax.vmap(jax.grad(lambda xi: jnp.sum(dora_dense(xi, k, a, b, m, 2.0, bias, impl=impl))))(x)
+    assert gv.shape == x.shape and bool(jnp.all(jnp.isfinite(gv)))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_zero_rows_and_empty_input_stay_finite(impl):
+    _, (x, k, a, b, m, bias) = _flax("zero_base_row")
+    y, pull = jax.vjp(
+        lambda x, a, b, m: dora_dense(x, k, a, b, m, 2.0, bias, impl=impl), x, a, b, m
+    )
+    assert bool(jnp.all(jnp.isfinite(y)))
+    np.testing.assert_array_equal(y[:, 0], jnp.broadcast_to(bias[0], y[:, 0].shape))
+    assert all(bool(jnp.all(jnp.isfinite(g))) for g in pull(jnp.ones_like(y)))
+
+    y0 = dora_dense(x[:0], k, a, b, m, 2.0, bias, impl=impl)
+    assert y0.shape == (0, k.shape[1])
+    g0 = jax.grad(lambda a: jnp.sum(dora_dense(x[:0], k, a, b, m, 2.0, bias, impl=impl)))(a)
+    np.testing.assert_array_equal(g0, 0.0)
+
+
+def test_bf16_boundary_and_f32_params():
+    """bf16 activations with f32 adapters: output bf16, adapter gradients f32."""
+    _, (x, k, a, b, m, bias) = _flax("basic")
+    xb, kb = x.astype(jnp.bfloat16), k.astype(jnp.bfloat16)
+    y, pull = jax.vjp(lambda x, a, b, m: dora_dense(x, kb, a, b, m, 2.0, bias), xb, a, b, m)
+    assert y.dtype == jnp.bfloat16
+    dx, da, db, dm = pull(jnp.ones_like(y))
+    assert dx.dtype == jnp.bfloat16 and {da.dtype, db.dtype, dm.dtype} == {jnp.dtype(jnp.float32)}
+
+
+def test_frozen_norm_is_a_constant():
+    _, (x, k, a, b, m, bias) = _flax("basic")
+    n = factored_norm(k, a, b, 2.0)
+    np.testing.assert_allclose(
+        dora_dense(x, k, a, b, m, 2.0, bias, norm=n),
+        dora_dense(x, k, a, b, m, 2.0, bias),
+        rtol=1e-6,
+    )
+    with pytest.raises(ValueError, match="norm"):
+        dora_dense(x, k, a, b, m, 2.0, bias, norm=n, exact_norm_grad=True)
+
+
+def test_auto_resolves_to_xla_on_cpu():
+    assert set(resolved_impls((16, 64), (64, 48), 8).values()) == {"xla"}
+    assert set(resolved_impls((16, 64), (64, 48), 8, impl="pallas").values()) == {"pallas"}
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        (lambda v: {**v, "kernel": v["kernel"].T}, "lora_a"),
+        (lambda v: {**v, "lora_a": v["lora_a"][:, :3]}, "lora_b"),
+        (lambda v: {**v, "lora_b": v["lora_b"][:, :5]}, "lora_b"),
+        (lambda v: {**v, "x": v["x"][:, :7]}, "x must have shape"),
+        (lambda v: {**v, "magnitude": v["magnitude"][:3]}, "magnitude"),
+        (lambda v: {**v, "bias": v["bias"][None]}, "bias"),
+        (lambda v: {**v, "x": v["x"].astype(jnp.int32)}, "x must have a floating dtype"),
+        (lambda v: {**v, "lora_a": v["lora_a"].astype(jnp.int32)}, "lora_a must have a floating"),
+        (lambda v: {**v, "kernel": v["kernel"][None]}, "kernel must be 2-D"),
+        (lambda v: {**v, "scaling": float("nan")}, "scaling"),
+        (lambda v: {**v, "impl": "cuda"}, "impl"),
+    ],
+)
+def test_bad_arguments_raise_value_error(change, match):
+    _, (x, k, a, b, m, bias) = _flax("basic")
+    args = dict(x=x, kernel=k, lora_a=a, lora_b=b, magnitude=m, scaling=2.0, bias=bias, impl="xla")
+    args = change(args)
+    impl = args.pop("impl")
+    with pytest.raises(ValueError, match=match):
+        dora_dense(**args, impl=impl)
