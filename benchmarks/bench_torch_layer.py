@@ -10,8 +10,8 @@ Providers (same run, same inputs):
 
 Modes: ``inference`` (no grad, eval; ours reuses its cached norm — weights unchanged) and
 ``fwd_bwd`` (y.backward(dy); ours' norm is invalidated before every call, i.e. the worst case
-of one optimizer step per micro-batch); x requires grad, so dx is computed. Median of triton.testing.do_bench with inputs rotated
-over 3 buffers; peak extra memory = max_memory_allocated during one call minus allocated
+of one optimizer step per micro-batch); x requires grad, so dx is computed. Median of
+triton.testing.do_bench with inputs rotated over 3 buffers; peak extra memory = max_memory_allocated during one call minus allocated
 before it (parameter grads are set to None first, so they count for everyone).
 
 Also: the compose kernels' achieved bandwidth against a measured device-to-device copy, and the
@@ -121,9 +121,7 @@ def _measure(provider, d_in, d_out, r, T, mode):
     if isinstance(fn, nn.Module):
         fn.train(train)
     # fwd+bwd includes dx for every provider (a layer inside a network needs it).
-    xs = [
-        torch.randn(T, d_in, device="cuda", dtype=DT, requires_grad=train) for _ in range(ROTATE)
-    ]
+    xs = [torch.randn(T, d_in, device="cuda", dtype=DT, requires_grad=train) for _ in range(ROTATE)]
     dy = torch.randn(T, d_out, device="cuda", dtype=DT)
     state = {"i": 0}
     epilogue_before = config.COMPOSE_IN_GEMM_EPILOGUE

@@ -23,6 +23,8 @@ import time
 import traceback
 
 HERE = pathlib.Path(__file__).resolve().parent
+# torch and JAX benchmarks share one process: JAX must not grab 75% of the card up front.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 
 def _bench_modules(only):

@@ -45,6 +45,7 @@ class NormCache:
         self.clear()
 
     def clear(self) -> None:
+        self._casts: tuple[tuple, tuple[torch.Tensor, torch.Tensor]] | None = None
         self._base: tuple[_Stamp, torch.Tensor] | None = None
         self._norm: tuple[tuple, torch.Tensor] | None = None
         self.norm_computations = 0  # how often the norm was (re)computed; for tests and logs
@@ -67,3 +68,20 @@ class NormCache:
         self._norm = ((_Stamp(weight), _Stamp(lora_A), _Stamp(lora_B), scaling, impl), n)
         self.norm_computations += 1
         return n
+
+    @torch.no_grad()
+    def adapters_in(self, lora_A, lora_B, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """lora_A, lora_B cast to the activation dtype, reused while both are unchanged.
+
+        For calls without gradients only (inference): the casts are detached. Saves two
+        cast kernels per call, which matters when small layers are bound by host overhead.
+        """
+        if lora_A.dtype == dtype and lora_B.dtype == dtype:
+            return lora_A, lora_B
+        if self._casts is not None:
+            (sa, sb, dt), casts = self._casts
+            if dt == dtype and sa.matches(lora_A) and sb.matches(lora_B):
+                return casts
+        casts = (lora_A.detach().to(dtype), lora_B.detach().to(dtype))
+        self._casts = ((_Stamp(lora_A), _Stamp(lora_B), dtype), casts)
+        return casts

@@ -40,10 +40,12 @@ def interpreting() -> bool:
 # ---- forward: h @ Bᵀ GEMM with the DoRA epilogue (kernels/compose.py) -------------------------
 def lora_gemm_configs() -> list[triton.Config]:
     """Autotune space of the epilogue GEMM (K = r is small: the kernel is bound by the base
-    read and the y write, so wide N tiles and few stages)."""
+    read and the y write, so wide N tiles and few stages). ``DORA_TORCH_AUTOTUNE=0`` keeps
+    only the first config (the GPU tests set it: compiling five configs per shape dominated
+    their run time)."""
     if interpreting():
         return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 32, "GROUP_M": 4}, num_warps=1)]
-    return [
+    configs = [
         triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "GROUP_M": 8}, num_warps=w, num_stages=st)
         for bm, bn, w, st in [
             (128, 128, 8, 3),
@@ -53,6 +55,7 @@ def lora_gemm_configs() -> list[triton.Config]:
             (64, 128, 4, 4),
         ]
     ]
+    return configs[:1] if os.environ.get("DORA_TORCH_AUTOTUNE", "1") == "0" else configs
 
 
 #: Contraction block of the epilogue GEMM (over r); rounded down to r's next power of two,
@@ -80,6 +83,9 @@ ZERO_MAG_WARPS = 4
 NORM_BLOCK_M = 32
 NORM_BLOCK_R = 32
 NORM_WARPS = 4
+#: tl.dot precision for B·G in the norm assembly: "tf32x3" splits each fp32 operand into two
+#: TF32 parts (three tensor-core products), ~fp32 accuracy; "ieee" is exact fp32 FMA (slow).
+NORM_DOT_PRECISION = "tf32x3"
 
 
 def interp_small(block: int, small: int = 16) -> int:

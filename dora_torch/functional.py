@@ -111,7 +111,11 @@ def _dora_linear(
         save = ops.SAVE_RECOVER
     else:
         save = ops.SAVE_INNER
-    y, _, _ = torch.ops.dora_torch.linear_forward(
-        x2, x_d, weight.detach(), lora_A, lora_B, magnitude, n, bias, s, tier, save
-    )
+    args = (x2, x_d, weight.detach(), lora_A, lora_B, magnitude, n, bias, s, tier, save)
+    if torch.compiler.is_compiling():
+        y, _, _ = torch.ops.dora_torch.linear_forward(*args)
+    elif save == ops.SAVE_NONE:
+        y, _, _ = ops.forward_impl(*args)  # no autograd bookkeeping at all
+    else:
+        y, _, _ = ops.LinearFunction.apply(*args)
     return y.reshape(*lead, d_out), tier

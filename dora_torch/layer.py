@@ -23,9 +23,12 @@ from torch.nn import functional as F
 
 from . import checks
 from .cache import NormCache
+from .dispatch import resolve_impl
 from .functional import _dora_linear
 from .merge import merge_weight, unmerge_weight
 from .norm import factored_norm
+
+_LOWP = (torch.float16, torch.bfloat16)
 
 
 def scaling_for(r: int, lora_alpha: float, use_rslora: bool = False) -> float:
@@ -159,18 +162,20 @@ class Linear(nn.Module):
             self.last_impl = "merged"
             return F.linear(x, self.weight, self.bias)
         norm = None
+        lora_A, lora_B = self.lora_A, self.lora_B
         if not self.exact_norm_grad and not torch.compiler.is_compiling():
             # The cache reads version counters: outside compiled graphs only (a compiled
             # module recomputes the norm inside its graph).
-            from .dispatch import resolve_impl
-
             tier = resolve_impl(self.impl, x, self.out_features)
             norm = self.norm(impl=tier)
+            if not torch.is_grad_enabled() and x.dtype in _LOWP:
+                # Inference: reuse the adapters' activation-dtype casts as well as the norm.
+                lora_A, lora_B = self._norm_cache.adapters_in(lora_A, lora_B, x.dtype)
         y, tier = _dora_linear(
             x,
             self.weight,
-            self.lora_A,
-            self.lora_B,
+            lora_A,
+            lora_B,
             self.lora_magnitude_vector,
             self.scaling,
             self.bias,

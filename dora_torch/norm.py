@@ -28,6 +28,15 @@ def _columns(d_in: int, chunk: int | None):
     return [slice(i, min(i + step, d_in)) for i in range(0, max(d_in, 1), max(step, 1))]
 
 
+def _sum(terms):
+    """Sum of tensors without Python's ``0 +`` (an extra kernel launch for one term)."""
+    it = iter(terms)
+    total = next(it)
+    for term in it:
+        total = total + term
+    return total
+
+
 def _fast_lowp(weight: torch.Tensor) -> bool:
     return weight.is_cuda and weight.dtype in (torch.bfloat16, torch.float16)
 
@@ -41,7 +50,9 @@ def base_sq_norm(weight: torch.Tensor, *, chunk_size: int | None = None) -> torc
     out = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device)
     for c in _columns(weight.shape[1], chunk):
         # dtype= upcasts inside the reduction (no fp32 copy of the chunk).
-        out += torch.linalg.vector_norm(weight[:, c], dim=1, dtype=torch.float32).square()
+        w = weight[:, c]
+        acc = None if w.dtype == torch.float64 else torch.float32  # never narrow fp64 inputs
+        out += torch.linalg.vector_norm(w, dim=1, dtype=acc).square().float()
     return out
 
 
@@ -49,7 +60,7 @@ def gram(lora_A, weight, *, chunk_size=None) -> torch.Tensor:
     """G = A Aᵀ, fp32 [r, r] (A in weight's dtype on CUDA with a 16-bit weight, else fp32)."""
     if _fast_lowp(weight):
         a = lora_A.detach().to(weight.dtype)
-        return sum(
+        return _sum(
             mm_out(a[:, c], a[:, c].t(), torch.float32) for c in _columns(a.shape[1], chunk_size)
         )
     r, d_in = lora_A.shape
@@ -65,7 +76,7 @@ def cross_terms(weight, lora_A, *, chunk_size=None) -> torch.Tensor:
     d_out, d_in = weight.shape
     if _fast_lowp(weight):
         a = lora_A.detach().to(weight.dtype)
-        return sum(
+        return _sum(
             mm_out(weight[:, c], a[:, c].t(), torch.float32) for c in _columns(d_in, chunk_size)
         )
     U = torch.zeros(d_out, lora_A.shape[0], dtype=torch.float32, device=weight.device)
@@ -85,6 +96,20 @@ def assemble(base_sq, U, lora_B, G, scaling: float, *, fused: bool) -> torch.Ten
     return sq.clamp_min(0.0).sqrt()
 
 
+def _detached_norm(weight, lora_A, lora_B, base_sq, scaling, chunk_size, fused):
+    """The norm without a graph; U only ever exists for a block of rows (bounded transient)."""
+    if _fast_lowp(weight):
+        lora_A = lora_A.detach().to(weight.dtype)  # cast once for G and every block of U
+    G = gram(lora_A, weight, chunk_size=chunk_size)
+    out = []
+    step = config.NORM_ROW_CHUNK
+    for i in range(0, max(weight.shape[0], 1), step):
+        rows = slice(i, i + step)
+        U = cross_terms(weight[rows], lora_A, chunk_size=chunk_size)
+        out.append(assemble(base_sq[rows], U, lora_B[rows], G, scaling, fused=fused))
+    return out[0] if len(out) == 1 else torch.cat(out)
+
+
 class _FactoredNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, weight, lora_A, lora_B, base_sq, scaling, chunk_size, fused):
@@ -95,15 +120,7 @@ class _FactoredNorm(torch.autograd.Function):
             n = assemble(base_sq, U, lora_B, G, scaling, fused=fused)
             ctx.save_for_backward(weight, lora_A, lora_B, U, G, n)
             return n
-        # Detached: U only ever exists for a block of rows, which bounds the transient.
-        G = gram(lora_A, weight, chunk_size=chunk_size)
-        out = []
-        step = config.NORM_ROW_CHUNK
-        for i in range(0, max(weight.shape[0], 1), step):
-            rows = slice(i, i + step)
-            U = cross_terms(weight[rows], lora_A, chunk_size=chunk_size)
-            out.append(assemble(base_sq[rows], U, lora_B[rows], G, scaling, fused=fused))
-        return out[0] if len(out) == 1 else torch.cat(out)
+        return _detached_norm(weight, lora_A, lora_B, base_sq, scaling, chunk_size, fused)
 
     @staticmethod
     def backward(ctx, dn):
@@ -156,4 +173,7 @@ def factored_norm(
             f"base_sq must be fp32 of shape ({d_out},); got {base_sq.dtype} {tuple(base_sq.shape)}"
         )
     fused = impl == "fused" or (impl == "auto" and weight.is_cuda)
+    if not (torch.is_grad_enabled() and (lora_A.requires_grad or lora_B.requires_grad)):
+        # No graph needed: skip the autograd.Function's host overhead (the common case).
+        return _detached_norm(weight.detach(), lora_A, lora_B, base_sq, s, chunk, fused)
     return _FactoredNorm.apply(weight.detach(), lora_A, lora_B, base_sq, s, chunk, fused)

@@ -47,20 +47,8 @@ def _empty(like: torch.Tensor) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------------- forward
-@torch.library.custom_op("dora_torch::linear_forward", mutates_args=())
-def linear_forward(
-    x: torch.Tensor,
-    x_d: torch.Tensor | None,
-    weight: torch.Tensor,
-    lora_A: torch.Tensor,
-    lora_B: torch.Tensor,
-    magnitude: torch.Tensor,
-    norm: torch.Tensor,
-    bias: torch.Tensor | None,
-    scaling: float,
-    impl: str,
-    save: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def forward_impl(x, x_d, weight, lora_A, lora_B, magnitude, norm, bias, scaling, impl, save):
+    """The forward computation shared by the custom op and the eager autograd Function."""
     dt = x.dtype
     a, b = lora_A.to(dt), lora_B.to(dt)
     x_in = x if x_d is None else x_d
@@ -93,6 +81,23 @@ def linear_forward(
     return y, h, (inner if save == SAVE_INNER else _empty(y))
 
 
+@torch.library.custom_op("dora_torch::linear_forward", mutates_args=())
+def linear_forward(
+    x: torch.Tensor,
+    x_d: torch.Tensor | None,
+    weight: torch.Tensor,
+    lora_A: torch.Tensor,
+    lora_B: torch.Tensor,
+    magnitude: torch.Tensor,
+    norm: torch.Tensor,
+    bias: torch.Tensor | None,
+    scaling: float,
+    impl: str,
+    save: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return forward_impl(x, x_d, weight, lora_A, lora_B, magnitude, norm, bias, scaling, impl, save)
+
+
 @linear_forward.register_fake
 def _(x, x_d, weight, lora_A, lora_B, magnitude, norm, bias, scaling, impl, save):
     T, d_out, r = x.shape[0], weight.shape[0], lora_A.shape[0]
@@ -102,6 +107,78 @@ def _(x, x_d, weight, lora_A, lora_B, magnitude, norm, bias, scaling, impl, save
 
 
 # ------------------------------------------------------------------------------ backward
+def backward_impl(
+    dy,
+    x,
+    x_d,
+    weight,
+    lora_A,
+    lora_B,
+    magnitude,
+    norm,
+    bias,
+    h,
+    saved,
+    scaling,
+    impl,
+    recover,
+    need_dx,
+    need_dn,
+):
+    """The backward computation shared by the custom op and the eager autograd Function."""
+    dt = x.dtype
+    acc = torch.promote_types(dt, torch.float32)  # fp32 accumulation; fp64 stays fp64
+    dropout = x_d is not None
+    need_dbias = bias is not None
+    a, b = lora_A.to(dt), lora_B.to(dt)
+    dy = dy.to(dt)
+    if impl == "fused":
+        from .kernels.backward import scale_reduce, zero_magnitude_dm
+
+        dyg, dyg1, dm, dbias = scale_reduce(
+            dy, saved, magnitude, norm, recover=recover, dropout=dropout, need_dbias=need_dbias
+        )
+        if recover:
+            zero_magnitude_dm(dm, dy, x, weight, h, b, magnitude, norm, scaling)
+    else:
+        if recover:
+            raise ValueError("the eager tier always saves inner (save=1), never recovers it")
+        n = norm.to(acc).clamp_min(config.EPS)
+        m = magnitude.to(acc)
+        dyf = dy.to(acc)
+        dm = (dyf * saved.to(acc)).sum(0) / n
+        big = torch.finfo(dt).max  # saturate like the kernel (see kernels/backward.py)
+        dyg = (dyf * (m / n)).clamp(-big, big).to(dt)
+        dyg1 = (dyf * ((m - n) / n)).clamp(-big, big).to(dt) if dropout else None
+        dbias = dyf.sum(0) if need_dbias else None
+
+    x_in = x_d if dropout else x
+    t = torch.mm(dyg, b)  # [T, r]
+    dB = mm_out(dyg.t(), h, acc).mul_(scaling).to(lora_B.dtype)
+    dA = mm_out(t.t(), x_in, acc).mul_(scaling).to(lora_A.dtype)
+    dx, dx_d = _empty(x), _empty(x)
+    if need_dx:
+        # addmm_ in place: one [T, d_in] buffer per result, not two.
+        if dropout:
+            dx = torch.mm(dy, weight)
+            dx_d = torch.mm(dyg1, weight).addmm_(t, a, alpha=scaling)
+        else:
+            dx = torch.mm(dyg, weight).addmm_(t, a, alpha=scaling)
+    dn = _empty(norm)
+    if need_dn:
+        g = magnitude_scale(magnitude, norm)
+        dn = torch.where(norm >= config.EPS, -g * dm, 0.0)
+    return (
+        dx,
+        dx_d,
+        dA,
+        dB,
+        dm.to(magnitude.dtype),
+        dn,
+        _empty(dy) if dbias is None else dbias.to(bias.dtype),
+    )
+
+
 @torch.library.custom_op("dora_torch::linear_backward", mutates_args=())
 def linear_backward(
     dy: torch.Tensor,
@@ -123,55 +200,23 @@ def linear_backward(
 ) -> tuple[
     torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor
 ]:
-    dt = x.dtype
-    dropout = x_d is not None
-    need_dbias = bias is not None
-    a, b = lora_A.to(dt), lora_B.to(dt)
-    dy = dy.to(dt)
-    if impl == "fused":
-        from .kernels.backward import scale_reduce, zero_magnitude_dm
-
-        dyg, dyg1, dm, dbias = scale_reduce(
-            dy, saved, magnitude, norm, recover=recover, dropout=dropout, need_dbias=need_dbias
-        )
-        if recover:
-            zero_magnitude_dm(dm, dy, x, weight, h, b, magnitude, norm, scaling)
-    else:
-        if recover:
-            raise ValueError("the eager tier always saves inner (save=1), never recovers it")
-        n = norm.float().clamp_min(config.EPS)
-        m = magnitude.float()
-        dyf = dy.float()
-        dm = (dyf * saved.float()).sum(0) / n
-        big = torch.finfo(dt).max  # saturate like the kernel (see kernels/backward.py)
-        dyg = (dyf * (m / n)).clamp(-big, big).to(dt)
-        dyg1 = (dyf * ((m - n) / n)).clamp(-big, big).to(dt) if dropout else None
-        dbias = dyf.sum(0) if need_dbias else None
-
-    x_in = x_d if dropout else x
-    t = torch.mm(dyg, b)  # [T, r]
-    dB = mm_out(dyg.t(), h, torch.float32).mul_(scaling).to(lora_B.dtype)
-    dA = mm_out(t.t(), x_in, torch.float32).mul_(scaling).to(lora_A.dtype)
-    dx, dx_d = _empty(x), _empty(x)
-    if need_dx:
-        # addmm_ in place: one [T, d_in] buffer per result, not two.
-        if dropout:
-            dx = torch.mm(dy, weight)
-            dx_d = torch.mm(dyg1, weight).addmm_(t, a, alpha=scaling)
-        else:
-            dx = torch.mm(dyg, weight).addmm_(t, a, alpha=scaling)
-    dn = _empty(norm)
-    if need_dn:
-        g = magnitude_scale(magnitude, norm)
-        dn = torch.where(norm >= config.EPS, -g * dm, 0.0)
-    return (
-        dx,
-        dx_d,
-        dA,
-        dB,
-        dm.to(magnitude.dtype),
-        dn,
-        _empty(dy) if dbias is None else dbias.to(bias.dtype),
+    return backward_impl(
+        dy,
+        x,
+        x_d,
+        weight,
+        lora_A,
+        lora_B,
+        magnitude,
+        norm,
+        bias,
+        h,
+        saved,
+        scaling,
+        impl,
+        recover,
+        need_dx,
+        need_dn,
     )
 
 
@@ -218,7 +263,7 @@ def _setup_context(ctx, inputs, output):
     ctx.scaling, ctx.impl, ctx.save = scaling, impl, save
 
 
-def _backward(ctx, dy, _dh, _dinner):
+def _backward(ctx, dy, _dh, _dinner, *, backward_fn=None):
     if ctx.save == SAVE_NONE:
         raise RuntimeError(
             "dora_torch.linear_forward ran with save=0 (no gradient expected) but backward "
@@ -226,7 +271,7 @@ def _backward(ctx, dy, _dh, _dinner):
         )
     x, x_d, weight, lora_A, lora_B, magnitude, norm, bias, h, saved = ctx.saved_tensors
     need = ctx.needs_input_grad
-    dx, dx_d, dA, dB, dm, dn, dbias = linear_backward(
+    dx, dx_d, dA, dB, dm, dn, dbias = (backward_fn or linear_backward)(
         dy,
         x,
         x_d,
@@ -262,3 +307,27 @@ def _backward(ctx, dy, _dh, _dinner):
 torch.library.register_autograd(
     "dora_torch::linear_forward", _backward, setup_context=_setup_context
 )
+
+
+class LinearFunction(torch.autograd.Function):
+    """The same forward/backward as the custom ops, without the custom-op dispatch.
+
+    ``torch.library.custom_op`` costs a few hundred microseconds of host time per call in
+    eager mode (measured on the H200: 2.3 ms host per fwd+bwd at 4096², 512 tokens, against
+    0.27 ms of GPU work), which dominates small layers. Eager calls therefore use this
+    Function; compiled graphs use the custom ops (``dora_torch.functional`` picks).
+    """
+
+    @staticmethod
+    def forward(ctx, x, x_d, weight, lora_A, lora_B, magnitude, norm, bias, scaling, impl, save):
+        out = forward_impl(
+            x, x_d, weight, lora_A, lora_B, magnitude, norm, bias, scaling, impl, save
+        )
+        inputs = (x, x_d, weight, lora_A, lora_B, magnitude, norm, bias, scaling, impl, save)
+        _setup_context(ctx, inputs, out)
+        ctx.mark_non_differentiable(out[1], out[2])
+        return out
+
+    @staticmethod
+    def backward(ctx, dy, dh, dinner):
+        return _backward(ctx, dy, dh, dinner, backward_fn=backward_impl)

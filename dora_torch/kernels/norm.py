@@ -3,8 +3,9 @@
     n_i = sqrt(max(‖W_i‖² + 2s·Σ_j B_ij U_ij + s²·Σ_j (B G)_ij B_ij, 0))
 
 with U = W Aᵀ [d_out, r] and G = A Aᵀ [r, r] (fp32, from GEMMs). One program per block of
-rows: (B G) is formed tile by tile in registers with fp32 (IEEE) dots and reduced at once, so
-neither B G nor any [d_out, d_in] tensor is ever written.
+rows: (B G) is formed tile by tile in registers and reduced at once, so neither B G nor any
+[d_out, d_in] tensor is ever written. The dots run as 3xTF32 (``config.NORM_DOT_PRECISION``):
+fp32-level accuracy on tensor cores; IEEE fp32 dots cost 134 µs at d_out = 8192, r = 384.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ def _norm_assemble_kernel(
     s,
     BLOCK_M: tl.constexpr,
     BLOCK_R: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     mask_m = rows < N
@@ -63,7 +65,7 @@ def _norm_assemble_kernel(
                 mask=(ks < R)[:, None] & (js < R)[None, :],
                 other=0.0,
             ).to(tl.float32)
-            bg = tl.dot(bk, gk, bg, input_precision="ieee")
+            bg = tl.dot(bk, gk, bg, input_precision=DOT_PRECISION)
         gram += tl.sum(bg * bj, axis=1)
     base_sq = tl.load(base_sq_ptr + rows, mask=mask_m, other=0.0).to(tl.float32)
     sq = base_sq + 2.0 * s * cross + s * s * gram
@@ -99,6 +101,7 @@ def assemble_norm(
         float(scaling),
         BLOCK_M=bm,
         BLOCK_R=br,
+        DOT_PRECISION="ieee" if config.interpreting() else config.NORM_DOT_PRECISION,
         num_warps=config.NORM_WARPS,
     )
     return out

@@ -81,7 +81,7 @@ def test_cuda_matches_peft(dtype):
     torch.manual_seed(0)
     base = nn.Sequential(nn.Linear(300, 200)).to("cuda", dt)
     ours = dora_torch.Linear.from_linear(
-        copy.deepcopy(base[0]), r=16, lora_alpha=32, adapter_dtype=dt
+        copy.deepcopy(base[0]), r=16, lora_alpha=32, adapter_dtype=dt, impl="fused"
     )
     model = peft.get_peft_model(
         base,

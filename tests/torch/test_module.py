@@ -80,6 +80,23 @@ def test_in_place_edits_invalidate_the_norm_cache(which):
     torch.testing.assert_close(y, _reference(layer, x))
 
 
+@pytest.mark.parametrize("which", ["lora_A", "lora_B"])
+def test_inference_reuses_adapter_casts_until_an_edit(which):
+    # bf16 activations with fp32 adapters: inference reuses the bf16 casts of A and B.
+    layer = _trained(dora_torch.Linear(16, 12, r=4, lora_alpha=8, dtype=torch.bfloat16))
+    x = torch.randn(5, 16, dtype=torch.bfloat16)
+    cache = layer._norm_cache
+    with torch.no_grad():
+        layer(x)
+        first = cache.adapters_in(layer.lora_A, layer.lora_B, torch.bfloat16)
+        layer(x)
+        assert cache.adapters_in(layer.lora_A, layer.lora_B, torch.bfloat16)[0] is first[0]
+        getattr(layer, which).add_(0.25)  # e.g. an optimizer step between evaluations
+        y = layer(x)
+    assert cache.adapters_in(layer.lora_A, layer.lora_B, torch.bfloat16)[0] is not first[0]
+    torch.testing.assert_close(y, _reference(layer, x))
+
+
 def test_replaced_weight_invalidates_base_norm():
     layer = _trained(dora_torch.Linear(16, 12, r=4, lora_alpha=8))
     x = torch.randn(5, 16)
