@@ -11,8 +11,9 @@ Providers (same run, same inputs):
 Modes: ``inference`` (no grad, eval; ours reuses its cached norm — weights unchanged) and
 ``fwd_bwd`` (y.backward(dy); ours' norm is invalidated before every call, i.e. the worst case
 of one optimizer step per micro-batch); x requires grad, so dx is computed. Median of
-triton.testing.do_bench with inputs rotated over 3 buffers; peak extra memory = max_memory_allocated during one call minus allocated
-before it (parameter grads are set to None first, so they count for everyone).
+triton.testing.do_bench with inputs rotated over 3 buffers; peak extra memory =
+max_memory_allocated during one call minus allocated before it (parameter grads are set to
+None first, so they count for everyone).
 
 Also: the compose kernels' achieved bandwidth against a measured device-to-device copy, and the
 transient memory of the norm (ours factored vs PEFT's dense) at 8192→28672, r=384.
