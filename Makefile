@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
-EXTRAS := torch,jax,peft,test
+EXTRAS := torch,jax,peft,demo,test
 
 .PHONY: setup lint test demo gpu clean
 
