@@ -8,6 +8,7 @@ Layout is Flax's: kernel [d_in, d_out], lora_a [d_in, r], lora_b [r, d_out], mag
     DoraDense / DoraParam                            the nnx layer and its trainable Param type
     linen.DoraDense                                  the linen twin
     inject(model, target=..., rank=..., alpha=...)   wrap matching nnx.Linear layers
+    save_peft_adapter / load_peft_adapter            adapter files in PEFT's format
 """
 
 from . import functional, linen
@@ -15,6 +16,7 @@ from .config import AUTO_PALLAS, DEFAULT_BLOCKS, BlockConfig
 from .dense import DoraCache, DoraDense, DoraParam
 from .functional import dora_dense
 from .inject import inject
+from .interop import load_peft_adapter, save_peft_adapter
 from .merge import merged_kernel
 from .norm import base_sq_norm, factored_norm
 
@@ -31,5 +33,7 @@ __all__ = [
     "functional",
     "inject",
     "linen",
+    "load_peft_adapter",
     "merged_kernel",
+    "save_peft_adapter",
 ]

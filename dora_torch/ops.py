@@ -47,8 +47,20 @@ def _empty(like: torch.Tensor) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------------- forward
-def forward_impl(x, x_d, weight, lora_A, lora_B, magnitude, norm, bias, scaling, impl, save):
-    """The forward computation shared by the custom op and the eager autograd Function."""
+def forward_impl(
+    x: torch.Tensor,
+    x_d: torch.Tensor | None,
+    weight: torch.Tensor,
+    lora_A: torch.Tensor,
+    lora_B: torch.Tensor,
+    magnitude: torch.Tensor,
+    norm: torch.Tensor,
+    bias: torch.Tensor | None,
+    scaling: float,
+    impl: str,
+    save: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The forward computation: the body of the custom op and of the eager autograd Function."""
     dt = x.dtype
     a, b = lora_A.to(dt), lora_B.to(dt)
     x_in = x if x_d is None else x_d
@@ -81,21 +93,9 @@ def forward_impl(x, x_d, weight, lora_A, lora_B, magnitude, norm, bias, scaling,
     return y, h, (inner if save == SAVE_INNER else _empty(y))
 
 
-@torch.library.custom_op("dora_torch::linear_forward", mutates_args=())
-def linear_forward(
-    x: torch.Tensor,
-    x_d: torch.Tensor | None,
-    weight: torch.Tensor,
-    lora_A: torch.Tensor,
-    lora_B: torch.Tensor,
-    magnitude: torch.Tensor,
-    norm: torch.Tensor,
-    bias: torch.Tensor | None,
-    scaling: float,
-    impl: str,
-    save: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return forward_impl(x, x_d, weight, lora_A, lora_B, magnitude, norm, bias, scaling, impl, save)
+linear_forward = torch.library.custom_op(
+    "dora_torch::linear_forward", forward_impl, mutates_args=()
+)
 
 
 @linear_forward.register_fake
@@ -108,24 +108,26 @@ def _(x, x_d, weight, lora_A, lora_B, magnitude, norm, bias, scaling, impl, save
 
 # ------------------------------------------------------------------------------ backward
 def backward_impl(
-    dy,
-    x,
-    x_d,
-    weight,
-    lora_A,
-    lora_B,
-    magnitude,
-    norm,
-    bias,
-    h,
-    saved,
-    scaling,
-    impl,
-    recover,
-    need_dx,
-    need_dn,
-):
-    """The backward computation shared by the custom op and the eager autograd Function."""
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    x_d: torch.Tensor | None,
+    weight: torch.Tensor,
+    lora_A: torch.Tensor,
+    lora_B: torch.Tensor,
+    magnitude: torch.Tensor,
+    norm: torch.Tensor,
+    bias: torch.Tensor | None,
+    h: torch.Tensor,
+    saved: torch.Tensor,
+    scaling: float,
+    impl: str,
+    recover: bool,
+    need_dx: bool,
+    need_dn: bool,
+) -> tuple[
+    torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor
+]:
+    """The backward computation: the body of the custom op and of the eager autograd Function."""
     dt = x.dtype
     acc = torch.promote_types(dt, torch.float32)  # fp32 accumulation; fp64 stays fp64
     dropout = x_d is not None
@@ -179,45 +181,9 @@ def backward_impl(
     )
 
 
-@torch.library.custom_op("dora_torch::linear_backward", mutates_args=())
-def linear_backward(
-    dy: torch.Tensor,
-    x: torch.Tensor,
-    x_d: torch.Tensor | None,
-    weight: torch.Tensor,
-    lora_A: torch.Tensor,
-    lora_B: torch.Tensor,
-    magnitude: torch.Tensor,
-    norm: torch.Tensor,
-    bias: torch.Tensor | None,
-    h: torch.Tensor,
-    saved: torch.Tensor,
-    scaling: float,
-    impl: str,
-    recover: bool,
-    need_dx: bool,
-    need_dn: bool,
-) -> tuple[
-    torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor
-]:
-    return backward_impl(
-        dy,
-        x,
-        x_d,
-        weight,
-        lora_A,
-        lora_B,
-        magnitude,
-        norm,
-        bias,
-        h,
-        saved,
-        scaling,
-        impl,
-        recover,
-        need_dx,
-        need_dn,
-    )
+linear_backward = torch.library.custom_op(
+    "dora_torch::linear_backward", backward_impl, mutates_args=()
+)
 
 
 @linear_backward.register_fake

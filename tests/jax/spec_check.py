@@ -64,10 +64,11 @@ def check_case(case: Case, dtype, *, impl: str, exact_norm_grad: bool = False, s
         assert g is None or (g.shape == primal.shape and g.dtype == primal.dtype)
 
     eps = float(jnp.finfo(dtype).eps)
-    # Floor of one ulp instead of the default quarter: the factored backward associates the
-    # products differently from the dense baseline (xᵀ(dy_g·bᵀ) vs (xᵀ·dy_g)·bᵀ), and on a
+    # f32: a floor of one ulp instead of the default quarter: the factored backward associates
+    # the products differently from the dense baseline (xᵀ(dy_g·bᵀ) vs (xᵀ·dy_g)·bᵀ), and on a
     # result of a few dozen f32 elements (one_token) that alone moves the error by ~1 ulp.
-    floor = eps
+    # bf16 keeps the shared default (a quarter ulp): its baseline error dominates anyway.
+    floor = eps if jnp.dtype(dtype) == jnp.float32 else None
     tag = f"{case.name}/{jnp.dtype(dtype).name}/{impl}/exact={exact_norm_grad}"
     assert_close(_f64(y), ref_y, _f64(y0), machine_eps=eps, floor=floor, name=f"{tag} y")
     names = ("dx", "dA", "dB", "dm", "dbias")
