@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -91,6 +92,15 @@ AUTO_PALLAS: Mapping[str, ShapePredicate | None] = MappingProxyType(
 
 IMPLS = ("auto", "pallas", "xla")
 OPS = tuple(AUTO_PALLAS)
+
+
+def current_platform() -> str:
+    """The platform new computations land on: the ``jax.default_device`` in effect if one is
+    set (e.g. the CPU twin of a GPU run), else the default backend ("cpu", "gpu", "tpu")."""
+    dev = jax.config.jax_default_device
+    if dev is None:
+        return jax.default_backend()
+    return dev if isinstance(dev, str) else dev.platform
 
 
 def resolve_impl(impl: str, op: str, *, platform: str, shape: tuple[int, int, int, int]) -> str:

@@ -11,13 +11,12 @@ All products take a in the kernel's dtype with f32 accumulation; the assembly is
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 
 from . import kernels, xla_ops
 from .checks import check_adapter, check_chunk_size, check_scaling, check_vector
-from .config import DEFAULT_BLOCKS, BlockConfig, dot_precision, resolve_impl
+from .config import DEFAULT_BLOCKS, BlockConfig, current_platform, dot_precision, resolve_impl
 
 _F32 = jnp.float32
 # contract axis 0 of both operands: aᵀK and aᵀa without materialising a transpose
@@ -82,7 +81,7 @@ def factored_norm(
     if base_sq is None:
         base_sq = base_sq_norm(kernel, chunk_size=chunk_size)
     precision = dot_precision(kernel.dtype)
-    platform = jax.default_backend()
+    platform = current_platform()
     if resolve_impl(impl, "norm", platform=platform, shape=(0, d_in, d_out, r)) == "pallas":
         return kernels.norm_assembly(
             u,

@@ -5,7 +5,7 @@ Forward (DESIGN §1, §2), with cd the activation dtype:
     n = ||K + s·a·b||_col          factored (U = aᵀK, G = aᵀa), f32, or given precomputed
     g = m / max(n, eps)            f32
     h = x·a (cd),  base = x·K (cd)
-    y = g ⊙ (base + s·h·b) + bias  (f32, rounded once to cd)
+    y = g ⊙ (base + s·h·b) + bias  (g applied in f32; Pallas rounds once, XLA rounds inner first)
 
 Backward (DESIGN §4) with dy_g = g ⊙ dy, P = hᵀ·dy [r, N] and ``saved`` the [T, N] activation
 the forward kept (``inner`` = base + s·h·b from the XLA compose, or ``base`` from the Pallas
@@ -143,6 +143,15 @@ def _fwd(opts: Options, x, kernel, lora_a, lora_b, magnitude, bias, base_sq, nor
     perturbed = tuple(
         p is not None and p.perturbed for p in (x, kernel, lora_a, lora_b, magnitude, bias)
     )
+    if norm is not None and (perturbed[2] or perturbed[3]):
+        # A precomputed norm is a snapshot of (kernel, lora_a, lora_b): differentiating the
+        # adapters means an optimizer step will change them and the snapshot would go stale
+        # without notice. Frozen norms are for inference with frozen adapters.
+        raise ValueError(
+            "norm= (a frozen norm) was given while lora_a/lora_b are differentiated; it would "
+            "go stale after the next optimizer step. Train without a frozen norm "
+            "(DoraDense.clear_cache())."
+        )
     return y, (res, _Flags(perturbed, saved_is_inner))
 
 

@@ -5,6 +5,7 @@ custom ops with autograd) → ``functional.dora_linear`` (dispatch, norm) → ``
 """
 
 from . import functional
+from .cache import clear_caches
 from .compose import compose, compose_dropout, magnitude_scale
 from .config import EPS
 from .dispatch import resolve_impl
@@ -27,6 +28,7 @@ __all__ = [
     "Linear",
     "accelerate_peft",
     "base_sq_norm",
+    "clear_caches",
     "compose",
     "compose_dropout",
     "dora_linear",

@@ -6,8 +6,10 @@ A cached value is reused only while every tensor it was computed from is the *sa
 optimizer step, ``load_state_dict`` or a replaced weight invalidates it at once, and
 gradient-accumulation micro-batches or inference calls pay for the norm once.
 
-Not detectable (documented limitation): writes through ``tensor.data``, which bypass the
-version counter. Call ``clear()`` after such edits.
+Not detectable (documented limitation): writes that bypass the version counter, i.e. through
+``tensor.data`` (``p.data.copy_(...)``) or by code outside PyTorch's dispatcher (some fused or
+sharded optimizers). After such writes call ``dora_torch.clear_caches(model)`` (e.g. from
+``optimizer.register_step_post_hook``).
 """
 
 from __future__ import annotations
@@ -52,7 +54,8 @@ class NormCache:
 
     def base_sq(self, weight: torch.Tensor) -> torch.Tensor:
         if self._base is None or not self._base[0].matches(weight):
-            self._base = (_Stamp(weight), base_sq_norm(weight))
+            with torch.inference_mode(False):  # see ``norm``
+                self._base = (_Stamp(weight), base_sq_norm(weight))
         return self._base[1]
 
     @torch.no_grad()
@@ -64,7 +67,10 @@ class NormCache:
             if sw.matches(weight) and sa.matches(lora_A) and sb.matches(lora_B):
                 if s == scaling and tier == impl:
                     return n
-        n = factored_norm(weight, lora_A, lora_B, scaling, base_sq=base_sq, impl=impl)
+        # A value computed under torch.inference_mode() would be an inference tensor, which a
+        # later training step could not save for backward (validation between training steps).
+        with torch.inference_mode(False):
+            n = factored_norm(weight, lora_A, lora_B, scaling, base_sq=base_sq, impl=impl)
         self._norm = ((_Stamp(weight), _Stamp(lora_A), _Stamp(lora_B), scaling, impl), n)
         self.norm_computations += 1
         return n
@@ -82,6 +88,20 @@ class NormCache:
             (sa, sb, dt), casts = self._casts
             if dt == dtype and sa.matches(lora_A) and sb.matches(lora_B):
                 return casts
-        casts = (lora_A.detach().to(dtype), lora_B.detach().to(dtype))
+        with torch.inference_mode(False):
+            casts = (lora_A.detach().to(dtype), lora_B.detach().to(dtype))
         self._casts = ((_Stamp(lora_A), _Stamp(lora_B), dtype), casts)
         return casts
+
+
+def clear_caches(model: torch.nn.Module) -> int:
+    """Drop every cached norm, ‖W‖² and adapter cast held by dora_torch in ``model``
+    (``dora_torch.Linear`` layers and layers accelerated by ``accelerate_peft``).
+
+    Needed only after parameter writes that bypass version counters (see the module doc).
+    Returns the number of caches cleared.
+    """
+    caches = [v for mod in model.modules() for v in vars(mod).values() if isinstance(v, NormCache)]
+    for cache in caches:
+        cache.clear()
+    return len(caches)

@@ -80,6 +80,26 @@ def _dora_linear(
     base_sq=None,
 ) -> tuple[torch.Tensor, str]:
     """``dora_linear`` that also returns the tier that ran."""
+    if x.is_floating_point() and torch.is_autocast_enabled(x.device.type):
+        # Under autocast, run the whole layer in the autocast dtype with autocast off (as
+        # nn.Linear's matmuls would), so every product inside sees one activation dtype.
+        dt = torch.get_autocast_dtype(x.device.type)
+        with torch.autocast(x.device.type, enabled=False):
+            return _dora_linear(
+                x.to(dt),
+                weight.to(dt),
+                lora_A,
+                lora_B,
+                magnitude,
+                scaling,
+                None if bias is None else bias.to(dt),
+                dropout_p=dropout_p,
+                training=training,
+                impl=impl,
+                exact_norm_grad=exact_norm_grad,
+                norm=norm,
+                base_sq=base_sq,
+            )
     d_out, d_in, _ = checks.check_adapter(weight, lora_A, lora_B, magnitude, bias)
     checks.check_input(x, weight)
     s = checks.check_scaling(scaling)
@@ -107,8 +127,8 @@ def _dora_linear(
     )
     if not needs_grad:
         save = ops.SAVE_NONE
-    elif tier == "fused" and bias is None and x_d is None:
-        save = ops.SAVE_RECOVER
+    elif tier == "fused" and bias is None and x_d is None and x.dtype != torch.float16:
+        save = ops.SAVE_RECOVER  # see ops: when recovering inner from y is sound
     else:
         save = ops.SAVE_INNER
     args = (x2, x_d, weight.detach(), lora_A, lora_B, magnitude, n, bias, s, tier, save)

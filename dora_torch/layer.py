@@ -21,6 +21,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from shared_spec import scaling_for as spec_scaling_for
+
 from . import checks
 from .cache import NormCache
 from .dispatch import resolve_impl
@@ -32,10 +34,10 @@ _LOWP = (torch.float16, torch.bfloat16)
 
 
 def scaling_for(r: int, lora_alpha: float, use_rslora: bool = False) -> float:
-    """s = alpha / r, or alpha / sqrt(r) with rsLoRA (PEFT's convention)."""
-    if isinstance(r, bool) or not isinstance(r, int) or r < 1:
+    """s = alpha / r, or alpha / sqrt(r) with rsLoRA (PEFT's convention; the spec's rule)."""
+    if isinstance(r, bool) or not isinstance(r, int):
         raise ValueError(f"r must be a positive int; got {r!r}")
-    return float(lora_alpha) / (math.sqrt(r) if use_rslora else r)
+    return spec_scaling_for(r, lora_alpha, use_rslora)
 
 
 class Linear(nn.Module):
@@ -161,9 +163,11 @@ class Linear(nn.Module):
         if self.merged:
             self.last_impl = "merged"
             return F.linear(x, self.weight, self.bias)
-        norm = None
+        norm = base_sq = None
         lora_A, lora_B = self.lora_A, self.lora_B
-        if not self.exact_norm_grad and not torch.compiler.is_compiling():
+        if self.exact_norm_grad and not torch.compiler.is_compiling():
+            base_sq = self._norm_cache.base_sq(self.weight)  # W is frozen: read it once
+        elif not torch.compiler.is_compiling():
             # The cache reads version counters: outside compiled graphs only (a compiled
             # module recomputes the norm inside its graph).
             tier = resolve_impl(self.impl, x, self.out_features)
@@ -184,6 +188,7 @@ class Linear(nn.Module):
             impl=self.impl,
             exact_norm_grad=self.exact_norm_grad,
             norm=norm,
+            base_sq=base_sq,
         )
         if not torch.compiler.is_compiling():
             self.last_impl = tier

@@ -46,14 +46,16 @@ def base_sq_norm(weight: torch.Tensor, *, chunk_size: int | None = None) -> torc
     """‖W_i‖² per row: fp32 [d_out] from weight [d_out, d_in] (fp32 accumulation)."""
     if weight.dim() != 2:
         raise ValueError(f"weight must be 2-D [d_out, d_in]; got shape {tuple(weight.shape)}")
-    chunk = checks.check_chunk(chunk_size) or config.NORM_CHUNK
-    out = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device)
-    for c in _columns(weight.shape[1], chunk):
-        # dtype= upcasts inside the reduction (no fp32 copy of the chunk).
-        w = weight[:, c]
-        acc = None if w.dtype == torch.float64 else torch.float32  # never narrow fp64 inputs
-        out += torch.linalg.vector_norm(w, dim=1, dtype=acc).square().float()
-    return out
+    # vector_norm(dtype=fp32) upcasts inside the reduction, so no chunk of W is ever copied:
+    # chunking only adds launches unless the caller asks for it. fp64 is reduced in fp64 (the
+    # op refuses to narrow), then rounded to the fp32 the norm is kept in.
+    chunk = checks.check_chunk(chunk_size)
+    acc = None if weight.dtype == torch.float64 else torch.float32
+    parts = [
+        torch.linalg.vector_norm(weight[:, c], dim=1, dtype=acc).square()
+        for c in _columns(weight.shape[1], chunk)
+    ]
+    return _sum(parts).float()
 
 
 def gram(lora_A, weight, *, chunk_size=None) -> torch.Tensor:
@@ -79,8 +81,10 @@ def cross_terms(weight, lora_A, *, chunk_size=None) -> torch.Tensor:
         return _sum(
             mm_out(weight[:, c], a[:, c].t(), torch.float32) for c in _columns(d_in, chunk_size)
         )
+    # Upcast W in chunks of d_in (bounds the fp32 copy); an fp32 W needs no copy, so no chunks.
+    default = None if weight.dtype == torch.float32 else config.NORM_CHUNK
     U = torch.zeros(d_out, lora_A.shape[0], dtype=torch.float32, device=weight.device)
-    for c in _columns(d_in, chunk_size or config.NORM_CHUNK):
+    for c in _columns(d_in, chunk_size or default):
         U += weight[:, c].float() @ lora_A.detach()[:, c].float().t()
     return U
 

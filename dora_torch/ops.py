@@ -13,15 +13,18 @@ compose / backward kernels, cuBLAS GEMMs) or "eager" (the same algorithm in torc
 What is saved for backward (``save``):
   0  nothing (no gradient needed; ``inner`` is never formed);
   1  inner = x_d Wᵀ + s·h Bᵀ rounded to the activation dtype, stored over the base product's
-     buffer (no extra allocation in the forward, but it stays alive until backward);
-     the fused forward otherwise writes y over that buffer, so it allocates nothing beyond
-     the cuBLAS products;
+     buffer (it stays alive until backward; without dropout y then needs its own buffer);
+     without saving, the fused forward writes y over that buffer, so it allocates nothing
+     beyond the cuBLAS products;
   2  nothing new: inner is recovered in backward as y / g from the output y, which the next
-     layer keeps alive anyway. Used by the fused tier only when it is numerically sound:
+     op usually keeps alive anyway (a following linear or activation saves its input; a
+     residual add does not). Used by the fused tier only when it is numerically sound:
+     bf16/fp32 activations (fp16's narrow exponent range makes small g·inner subnormal),
      no bias (y − b would cancel when |b| ≫ |g·inner|) and no dropout (y is not g·inner
      there). Rows with g = 0 (m_i = 0) lost inner; a small kernel recomputes their dm from
-     x, W, h, B without a host sync. A relative error of y/g equals that of a rounded saved
-     inner, so mode 2 is as accurate as mode 1.
+     x, W, h, B without a host sync. Otherwise the relative error of y/g is that of a rounded
+     saved inner. Consequence: modifying y in place before backward raises autograd's
+     "modified by an inplace operation" error (a test pins this).
 Never saved: the dense B·A, fp32 copies of anything [T, d_out].
 
 Gradients (detached norm, DESIGN §4), dy_g = g ⊙ dy, t = dy_g B:
@@ -124,6 +127,7 @@ def backward_impl(
     recover: bool,
     need_dx: bool,
     need_dn: bool,
+    need_dbias: bool,
 ) -> tuple[
     torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor
 ]:
@@ -131,7 +135,7 @@ def backward_impl(
     dt = x.dtype
     acc = torch.promote_types(dt, torch.float32)  # fp32 accumulation; fp64 stays fp64
     dropout = x_d is not None
-    need_dbias = bias is not None
+    need_dbias = need_dbias and bias is not None  # a frozen bias (the usual case) costs nothing
     a, b = lora_A.to(dt), lora_B.to(dt)
     dy = dy.to(dt)
     if impl == "fused":
@@ -204,11 +208,12 @@ def _(
     recover,
     need_dx,
     need_dn,
+    need_dbias,
 ):
     dx = x.new_empty(x.shape) if need_dx else x.new_empty(0)
     dx_d = x.new_empty(x.shape) if need_dx and x_d is not None else x.new_empty(0)
     dn = norm.new_empty(norm.shape) if need_dn else norm.new_empty(0)
-    dbias = bias.new_empty(bias.shape) if bias is not None else dy.new_empty(0)
+    dbias = bias.new_empty(bias.shape) if need_dbias and bias is not None else dy.new_empty(0)
     return (
         dx,
         dx_d,
@@ -254,6 +259,7 @@ def _backward(ctx, dy, _dh, _dinner, *, backward_fn=None):
         ctx.save == SAVE_RECOVER,
         bool(need[0] or need[1]),
         bool(need[6]),
+        bool(need[7]),
     )
     return (
         dx if need[0] else None,
@@ -278,10 +284,11 @@ torch.library.register_autograd(
 class LinearFunction(torch.autograd.Function):
     """The same forward/backward as the custom ops, without the custom-op dispatch.
 
-    ``torch.library.custom_op`` costs a few hundred microseconds of host time per call in
-    eager mode (measured on the H200: 2.3 ms host per fwd+bwd at 4096², 512 tokens, against
-    0.27 ms of GPU work), which dominates small layers. Eager calls therefore use this
-    Function; compiled graphs use the custom ops (``dora_torch.functional`` picks).
+    ``torch.library.custom_op`` dispatch costs host time on every eager call: on the H200 its
+    wrappers took ~0.86 ms of the 2.35 ms host time of one fwd+bwd at 4096², 512 tokens
+    (0.27 ms of GPU work; benchmarks/NOTES.md), which dominates small layers. Eager calls
+    therefore use this Function; compiled graphs use the custom ops
+    (``dora_torch.functional`` picks).
     """
 
     @staticmethod

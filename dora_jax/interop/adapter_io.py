@@ -48,9 +48,15 @@ def _dora_cls():
 
 
 # The one mapping between PEFT tensor names and DoraDense attributes, both ways.
+def _shape_only(array) -> np.ndarray:
+    """A free stand-in with ``array``'s shape (a broadcast view: the frozen kernel, possibly
+    gigabytes on an accelerator, is never copied to the host just for layout checks)."""
+    return np.broadcast_to(np.zeros((), np.float32), tuple(array.shape))
+
+
 def _to_peft(layer) -> dict[str, np.ndarray]:
     """A DoraDense's adapter as PEFT tensors (PyTorch layout, NumPy, same dtypes)."""
-    kernel = np.asarray(layer.kernel.get_value())
+    kernel = _shape_only(layer.kernel.get_value())
     _, A, B = from_flax_layout(
         kernel, np.asarray(layer.lora_a.get_value()), np.asarray(layer.lora_b.get_value())
     )
@@ -59,7 +65,10 @@ def _to_peft(layer) -> dict[str, np.ndarray]:
 
 def _from_peft(layer, t: Mapping[str, np.ndarray]) -> list[tuple[nnx.Variable, np.ndarray]]:
     """PEFT tensors → [(DoraDense variable, value in Flax layout)]."""
-    W = t.get(pf.BASE_WEIGHT, np.swapaxes(np.asarray(layer.kernel.get_value()), 0, 1))
+    if pf.BASE_WEIGHT in t:
+        W = t[pf.BASE_WEIGHT]
+    else:  # only its shape is needed
+        W = np.swapaxes(_shape_only(layer.kernel.get_value()), 0, 1)
     kernel, lora_a, lora_b = to_flax_layout(W, t[pf.LORA_A], t[pf.LORA_B])
     out = [(layer.lora_a, lora_a), (layer.lora_b, lora_b), (layer.magnitude, t[pf.MAGNITUDE])]
     if pf.BASE_WEIGHT in t:  # PEFT saved the base layer too (lm_head, ...): load it, as PEFT does

@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from .. import config
-from .common import check_launchable
+from .common import check_launchable, unit_stride
 
 
 @triton.jit
@@ -103,6 +103,7 @@ def scale_reduce(
     """One pass over dy [T, d_out]. Returns (dy_g, dy_g1 or None, dm fp32 [d_out],
     dbias fp32 [d_out] or None). ``saved`` is inner, or y when ``recover``."""
     check_launchable(dy)
+    magnitude, norm = unit_stride(magnitude, norm)
     M, N = dy.shape
     dyg = torch.empty((M, N), dtype=dy.dtype, device=dy.device)
     dyg1 = torch.empty_like(dyg) if dropout else None
@@ -143,8 +144,9 @@ def scale_reduce(
         BLOCK_N=bn,
         num_warps=config.BWD_WARPS,
     )
-    dm = dm_part.sum(0)
-    return dyg, dyg1, dm, (db_part.sum(0) if need_dbias else None)
+    if parts == 1:  # one token chunk: the partial sums are the sums (saves a launch each)
+        return dyg, dyg1, dm_part[0], (db_part[0] if need_dbias else None)
+    return dyg, dyg1, dm_part.sum(0), (db_part.sum(0) if need_dbias else None)
 
 
 @triton.jit
@@ -231,6 +233,7 @@ def zero_magnitude_dm(
     could not be recovered from y = 0·inner. x [T, d_in], weight [d_out, d_in], h [T, r],
     lora_B [d_out, r] (activation dtype), dy [T, d_out]."""
     check_launchable(dy)
+    magnitude, norm = unit_stride(magnitude, norm)
     M, D = x.shape
     N, R = lora_B.shape
     if M == 0 or N == 0:

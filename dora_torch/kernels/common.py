@@ -3,11 +3,8 @@
 from __future__ import annotations
 
 import torch
-import triton.language as tl
 
 from .. import config
-
-_TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
 
 def dot_fp32(dtype: torch.dtype) -> bool:
@@ -28,3 +25,9 @@ def check_launchable(*tensors: torch.Tensor) -> None:
                 "impl='fused' on CPU needs the Triton interpreter: set TRITON_INTERPRET=1 before "
                 "importing dora_torch (or use impl='eager')"
             )
+
+
+def unit_stride(*vectors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+    """Per-column vectors (magnitude, norm, bias, base_sq) as the kernels read them: with unit
+    stride. A no-op for contiguous inputs; a strided view (e.g. a column of a matrix) is copied."""
+    return tuple(None if v is None else v.contiguous() for v in vectors)

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from .. import config
-from .common import check_launchable, dot_fp32, dot_precision
+from .common import check_launchable, dot_fp32, dot_precision, unit_stride
 
 
 @triton.jit
@@ -270,6 +270,7 @@ def compose_forward(
     or cuBLAS ``h @ Bᵀ`` + the elementwise kernel.
     """
     check_launchable(h)
+    magnitude, norm, bias = unit_stride(magnitude, norm, bias)
     M, N = base_d.shape
     K = h.shape[1]
     dropout = base is not None
@@ -359,6 +360,7 @@ def compose_elementwise(
     if given). With ``store_inner``, inner overwrites base_d in place.
     """
     check_launchable(lora)
+    magnitude, norm, bias = unit_stride(magnitude, norm, bias)
     M, N = base_d.shape
     if y is None:
         y = torch.empty((M, N), dtype=base_d.dtype, device=base_d.device)

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from .. import config
-from .common import check_launchable
+from .common import check_launchable, unit_stride
 
 
 @triton.jit
@@ -78,6 +78,7 @@ def assemble_norm(
     """n [d_out] fp32 from base_sq [d_out] fp32, U [d_out, r] fp32, lora_B [d_out, r] (any
     float dtype), G [r, r] fp32."""
     check_launchable(U)
+    (base_sq,) = unit_stride(base_sq)
     N, R = lora_B.shape
     out = torch.empty(N, dtype=torch.float32, device=U.device)
     if N == 0:

@@ -133,8 +133,29 @@ def test_frozen_norm_is_a_constant():
         dora_dense(x, k, a, b, m, 2.0, bias),
         rtol=1e-6,
     )
+    # The given norm is really used: doubling it halves g, hence y − bias.
+    np.testing.assert_allclose(
+        dora_dense(x, k, a, b, m, 2.0, bias, norm=2 * n) - bias,
+        (dora_dense(x, k, a, b, m, 2.0, bias) - bias) / 2,
+        rtol=1e-5,
+        atol=1e-6,
+    )
     with pytest.raises(ValueError, match="norm"):
         dora_dense(x, k, a, b, m, 2.0, bias, norm=n, exact_norm_grad=True)
+
+
+def test_frozen_norm_refuses_adapter_gradients():
+    _, (x, k, a, b, m, bias) = _flax("basic")
+    n = factored_norm(k, a, b, 2.0)
+
+    def loss(a, b, m):
+        return jnp.sum(dora_dense(x, k, a, b, m, 2.0, bias, norm=n) ** 2)
+
+    with pytest.raises(ValueError, match="stale"):
+        jax.grad(loss, argnums=(0, 1))(a, b, m)
+    # The magnitude alone (adapters frozen) may still be trained against a frozen norm.
+    dm = jax.grad(loss, argnums=2)(a, b, m)
+    assert np.all(np.isfinite(dm))
 
 
 def test_auto_resolves_to_xla_on_cpu():

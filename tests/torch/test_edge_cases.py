@@ -223,3 +223,94 @@ def test_fp32_adapters_with_bf16_activations():
             *(t.double().numpy() for t in (xb, Wb, A, B, m)), s, bb.double().numpy()
         )
         assert max_abs(y, torch.from_numpy(ref)) < 0.05
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_strided_magnitude_and_bias(impl):
+    """Per-column vectors that are views with stride ≠ 1 (e.g. a column of a matrix)."""
+    x, W, A, B, m, b, s = random_case_tensors(21)
+    m_strided = torch.stack([m, torch.zeros_like(m)], dim=1)[:, 0]  # stride 2
+    b_strided = torch.stack([b, torch.ones_like(b)], dim=1)[:, 0]
+    assert m_strided.stride() == (2,) and b_strided.stride() == (2,)
+    leaves = [t.clone().requires_grad_(True) for t in (x, A, B)]
+    m_leaf = m_strided.detach().requires_grad_(False)
+    y = dora_torch.dora_linear(leaves[0], W, *leaves[1:3], m_leaf, s, b_strided, impl=impl)
+    ref = S.dora_linear(*(t.double().numpy() for t in (x, W, A, B, m)), s, b.double().numpy())
+    np.testing.assert_allclose(y.detach().numpy(), ref, rtol=1e-5, atol=1e-5)
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    g = S.dora_linear_vjp(
+        *(t.double().numpy() for t in (x, W, A, B, m)), s, dy.double().numpy(), b.double().numpy()
+    )
+    np.testing.assert_allclose(leaves[0].grad.numpy(), g.dx, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(leaves[2].grad.numpy(), g.dB, rtol=1e-4, atol=1e-5)
+
+
+def test_inference_mode_then_training_step():
+    """Validation under torch.inference_mode() between training steps must not poison the
+    cached norm (an inference tensor cannot be saved for backward)."""
+    layer = dora_torch.Linear(24, 20, r=4, lora_alpha=8)
+    x = torch.randn(6, 24)
+    with torch.inference_mode():
+        layer(x)
+    layer(x).square().sum().backward()  # reuses the cached norm: must not raise
+    assert layer.lora_B.grad is not None and torch.isfinite(layer.lora_B.grad).all()
+
+
+def test_autocast_runs_the_layer_in_the_autocast_dtype():
+    layer = dora_torch.Linear(24, 20, r=4, lora_alpha=8)  # fp32 weights, like HF Trainer bf16
+    with torch.no_grad():
+        layer.lora_B.normal_(0, 0.1)
+    x = torch.randn(6, 24, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = layer(x)
+    assert y.dtype == torch.bfloat16
+    y.float().square().sum().backward()
+    assert x.grad.dtype == torch.float32 and layer.lora_A.grad.dtype == torch.float32
+    # Same numbers as running the layer on bf16 inputs and weight explicitly.
+    ref = dora_torch.dora_linear(
+        x.detach().bfloat16(),
+        layer.weight.bfloat16(),
+        layer.lora_A,
+        layer.lora_B,
+        layer.lora_magnitude_vector,
+        layer.scaling,
+        layer.bias.bfloat16(),
+        norm=layer.norm(impl="eager"),  # the layer's cached fp32-weight norm
+    )
+    torch.testing.assert_close(y.detach(), ref.detach(), rtol=0, atol=0)
+
+
+def test_in_place_edit_of_a_recovered_output_is_refused():
+    """Fused, no bias, bf16: backward recovers inner from y (ops.SAVE_RECOVER), so editing y in
+    place before backward must raise autograd's error, never give silently wrong gradients."""
+    x, W, A, B, m, _, s = random_case_tensors(22, dtype=torch.bfloat16)
+    B = B.clone().requires_grad_(True)
+    y = dora_torch.dora_linear(x, W, A, B, m, s, None, impl="fused")
+    y.relu_()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+
+
+def test_clear_caches_after_writes_that_bypass_versions():
+    layer = dora_torch.Linear(24, 20, r=4, lora_alpha=8)
+    model = torch.nn.Sequential(layer)
+    x = torch.randn(5, 24)
+    with torch.no_grad():
+        layer(x)
+        layer.lora_B.data.copy_(torch.randn_like(layer.lora_B) * 0.5)  # version unchanged
+        stale = layer(x)
+        assert dora_torch.clear_caches(model) == 1
+        fresh = layer(x)
+    ref = dora_torch.dora_linear(
+        x,
+        layer.weight,
+        layer.lora_A,
+        layer.lora_B,
+        layer.lora_magnitude_vector,
+        layer.scaling,
+        layer.bias,
+        impl="eager",
+    )
+    torch.testing.assert_close(fresh, ref)
+    assert not torch.allclose(stale, ref)
