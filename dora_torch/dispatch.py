@@ -17,6 +17,7 @@ import logging
 import torch
 
 from . import checks, config
+from .kernels.common import MAX_KERNEL_SPAN
 
 logger = logging.getLogger("dora_torch")
 
@@ -40,7 +41,10 @@ def resolve_impl(impl: str, x: torch.Tensor, d_out: int) -> str:
     else:
         tokens = x.numel() // max(x.shape[-1], 1)
         big = tokens * d_out >= config.FUSED_MIN_ELEMENTS
-        chosen = "fused" if (x.is_cuda and x.dtype in FUSED_DTYPES and big) else "eager"
+        # Beyond int32 offsets (kernels/common.MAX_KERNEL_SPAN) only the eager tier is safe.
+        fits = max(tokens * d_out, x.numel()) < MAX_KERNEL_SPAN
+        ok = x.is_cuda and x.dtype in FUSED_DTYPES and big and fits
+        chosen = "fused" if ok else "eager"
     if not torch.compiler.is_compiling() and logger.isEnabledFor(logging.DEBUG):
         logger.debug(
             "dora_linear: impl=%s -> %s (x %s %s %s)",

@@ -102,7 +102,7 @@ def scale_reduce(
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
     """One pass over dy [T, d_out]. Returns (dy_g, dy_g1 or None, dm fp32 [d_out],
     dbias fp32 [d_out] or None). ``saved`` is inner, or y when ``recover``."""
-    check_launchable(dy)
+    check_launchable(dy, saved)
     magnitude, norm = unit_stride(magnitude, norm)
     M, N = dy.shape
     dyg = torch.empty((M, N), dtype=dy.dtype, device=dy.device)
@@ -232,7 +232,7 @@ def zero_magnitude_dm(
     """Overwrite dm (fp32 [d_out], in place) at rows with magnitude exactly 0, where inner
     could not be recovered from y = 0·inner. x [T, d_in], weight [d_out, d_in], h [T, r],
     lora_B [d_out, r] (activation dtype), dy [T, d_out]."""
-    check_launchable(dy)
+    check_launchable(dy, x, weight)
     magnitude, norm = unit_stride(magnitude, norm)
     M, D = x.shape
     N, R = lora_B.shape

@@ -18,12 +18,33 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 or config.interpreting() else "tf32"
 
 
+#: The kernels index with int32 offsets (row · stride + col): every tensor they address must
+#: span fewer elements than this.
+MAX_KERNEL_SPAN = 2**31
+
+
+def element_span(t: torch.Tensor) -> int:
+    """Elements between a tensor's first and last addressed element, inclusive."""
+    if t.numel() == 0:
+        return 0
+    return 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+
+
 def check_launchable(*tensors: torch.Tensor) -> None:
+    """The kernels can address these tensors: on CUDA (or the interpreter), int32-indexable."""
     for t in tensors:
-        if t is not None and t.device.type == "cpu" and not config.interpreting():
+        if t is None:
+            continue
+        if t.device.type == "cpu" and not config.interpreting():
             raise ValueError(
                 "impl='fused' on CPU needs the Triton interpreter: set TRITON_INTERPRET=1 before "
                 "importing dora_torch (or use impl='eager')"
+            )
+        if element_span(t) >= MAX_KERNEL_SPAN:
+            raise ValueError(
+                f"impl='fused' indexes with int32 offsets; a tensor of shape {tuple(t.shape)} "
+                f"spans {element_span(t)} elements (limit {MAX_KERNEL_SPAN}): split the tokens "
+                "into smaller batches or use impl='eager'"
             )
 
 

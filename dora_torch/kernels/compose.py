@@ -269,7 +269,7 @@ def compose_forward(
     ``epilogue`` (default ``config.COMPOSE_IN_GEMM_EPILOGUE``) picks the GEMM-epilogue kernel
     or cuBLAS ``h @ Bᵀ`` + the elementwise kernel.
     """
-    check_launchable(h)
+    check_launchable(h, base_d, base)
     magnitude, norm, bias = unit_stride(magnitude, norm, bias)
     M, N = base_d.shape
     K = h.shape[1]

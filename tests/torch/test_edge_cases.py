@@ -314,3 +314,15 @@ def test_clear_caches_after_writes_that_bypass_versions():
     )
     torch.testing.assert_close(fresh, ref)
     assert not torch.allclose(stale, ref)
+
+
+def test_fused_refuses_tensors_beyond_int32_offsets(monkeypatch):
+    from dora_torch.kernels import common
+
+    x, W, A, B, m, b, s = random_case_tensors(23)  # y is [6, 20]: spans 120 elements
+    assert common.element_span(x.t()) == x.numel()
+    assert common.element_span(x[:, :0]) == 0
+    monkeypatch.setattr(common, "MAX_KERNEL_SPAN", 100)
+    with pytest.raises(ValueError, match="int32 offsets"):
+        dora_torch.dora_linear(x, W, A, B, m, s, b, impl="fused")
+    dora_torch.dora_linear(x, W, A, B, m, s, b, impl="eager")  # the eager tier has no limit
