@@ -76,24 +76,47 @@ def factored_norm(
     d_in, d_out, r = check_adapter(kernel, lora_a, lora_b)
     s = check_scaling(scaling)
     check_vector("base_sq", base_sq, d_out)
+    platform = current_platform()
+    chosen = resolve_impl(impl, "norm", platform=platform, shape=(0, d_in, d_out, r))
+    n, _, _ = norm_parts(
+        kernel,
+        lora_a,
+        lora_b,
+        base_sq,
+        scaling=s,
+        impl=chosen,
+        interpret=(platform != "gpu") if interpret is None else interpret,
+        chunk_size=chunk_size,
+        config=config,
+    )
+    return n
+
+
+def norm_parts(kernel, lora_a, lora_b, base_sq, *, scaling, impl, interpret, chunk_size, config):
+    """(n, U, G): the factored norm and the GEMM results the exact gradient reuses.
+
+    The one implementation behind ``factored_norm`` and the custom_vjp's forward; ``impl`` is
+    already resolved ("pallas" or "xla"), arguments already checked.
+    """
     b = lora_b.astype(kernel.dtype)
     u, gram = norm_gemms(kernel, lora_a, chunk_size=chunk_size)
     if base_sq is None:
         base_sq = base_sq_norm(kernel, chunk_size=chunk_size)
     precision = dot_precision(kernel.dtype)
-    platform = current_platform()
-    if resolve_impl(impl, "norm", platform=platform, shape=(0, d_in, d_out, r)) == "pallas":
-        return kernels.norm_assembly(
+    if impl == "pallas":
+        n = kernels.norm_assembly(
             u,
             gram,
             b,
             base_sq,
-            scaling=s,
+            scaling=scaling,
             precision=precision,
             config=config,
-            interpret=(platform != "gpu") if interpret is None else interpret,
+            interpret=interpret,
         )
-    return xla_ops.norm_assembly(u, gram, b, base_sq, scaling=s, precision=precision)
+    else:
+        n = xla_ops.norm_assembly(u, gram, b, base_sq, scaling=scaling, precision=precision)
+    return n, u, gram
 
 
 def _chunks(n: int, chunk: int | None):

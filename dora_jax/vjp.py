@@ -38,7 +38,7 @@ from shared_spec.compose import EPS
 
 from . import kernels, xla_ops
 from .config import BlockConfig, dot_precision
-from .norm import base_sq_norm, norm_gemms
+from .norm import norm_parts
 
 _F32 = jnp.float32
 _CONTRACT_0 = (((0,), (0,)), ((), ()))  # aᵀ·b without a transpose
@@ -60,25 +60,17 @@ class Options:
 
 def _norm_parts(opts: Options, kernel, lora_a, lora_b, base_sq):
     """(n, U, G): the factored norm and the GEMM results the exact gradient reuses."""
-    b = lora_b.astype(kernel.dtype)
-    u, gram = norm_gemms(kernel, lora_a, chunk_size=opts.chunk_size)
-    if base_sq is None:
-        base_sq = base_sq_norm(kernel, chunk_size=opts.chunk_size)
-    precision = dot_precision(kernel.dtype)
-    if opts.norm_impl == "pallas":
-        n = kernels.norm_assembly(
-            u,
-            gram,
-            b,
-            base_sq,
-            scaling=opts.scaling,
-            precision=precision,
-            config=opts.config,
-            interpret=opts.interpret,
-        )
-    else:
-        n = xla_ops.norm_assembly(u, gram, b, base_sq, scaling=opts.scaling, precision=precision)
-    return n, u, gram
+    return norm_parts(
+        kernel,
+        lora_a,
+        lora_b,
+        base_sq,
+        scaling=opts.scaling,
+        impl=opts.norm_impl,
+        interpret=opts.interpret,
+        chunk_size=opts.chunk_size,
+        config=opts.config,
+    )
 
 
 def _forward(opts: Options, x, kernel, lora_a, lora_b, magnitude, bias, base_sq, norm):
