@@ -33,6 +33,8 @@ import traceback
 import torch
 from torch import nn
 
+from benchmarks.measure import cuda_peak_bytes
+
 BENCH = "torch_layer"
 SHAPES = [  # (d_in, d_out, r, tokens)
     (8192, 8192, 16, 4096),
@@ -199,15 +201,8 @@ def _bandwidth(T=4096, N=8192):
 
 # --------------------------------------------------------------------- norm transient memory
 def _peak_of(f):
-    gc.collect()
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    before = torch.cuda.memory_allocated()
-    out = f()
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - before
-    del out
-    return peak / 2**20
+    """Peak transient MiB of one call (the shared helper in benchmarks/measure.py)."""
+    return cuda_peak_bytes(f) / 2**20
 
 
 def _norm_transient(d_in=8192, d_out=28672, r=384):
