@@ -186,3 +186,37 @@ def test_bad_arguments_raise_value_error(change, match):
     impl = args.pop("impl")
     with pytest.raises(ValueError, match=match):
         dora_dense(**args, impl=impl)
+
+
+def test_pallas_multi_step_loops_match_xla():
+    """Small blocks make every Pallas loop run several steps (rank slices in compose and norm,
+    token steps in scale_reduce), which the default blocks never do on the CPU cases."""
+    from dora_jax import BlockConfig
+
+    cfg = BlockConfig(
+        compose_block_t=16,
+        compose_block_n=16,
+        compose_block_r=16,
+        reduce_block_t=16,
+        reduce_block_n=16,
+        reduce_splits=2,
+        norm_block_n=16,
+        norm_block_r=16,
+    )
+    rng = np.random.default_rng(3)
+    T, d_in, d_out, r = 70, 40, 37, 40  # 40 = 16 + 16 + 8: masked last rank slice
+    x = jnp.asarray(rng.standard_normal((T, d_in)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((d_in, d_out)) / np.sqrt(d_in), jnp.float32)
+    a = jnp.asarray(rng.standard_normal((d_in, r)) / np.sqrt(d_in), jnp.float32)
+    b = jnp.asarray(rng.standard_normal((r, d_out)) * 0.05, jnp.float32)
+    m = jnp.asarray(rng.uniform(0.5, 1.5, d_out), jnp.float32)
+    dy = jnp.asarray(rng.standard_normal((T, d_out)), jnp.float32)
+
+    def run(impl, **kw):
+        y, pull = jax.vjp(
+            lambda x, a, b, m: dora_dense(x, k, a, b, m, 0.5, impl=impl, **kw), x, a, b, m
+        )
+        return (y, *pull(dy))
+
+    for got, want in zip(run("pallas", config=cfg), run("xla")):
+        np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
