@@ -12,7 +12,6 @@ XLA's compiled temp size (``memory_analysis().temp_size_in_bytes``).
 
 from __future__ import annotations
 
-import csv
 import os
 import statistics
 import time
@@ -25,6 +24,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 import jax
 import jax.numpy as jnp
 
+from benchmarks.measure import write_csv
 from dora_jax.baselines import lora_dense, naive_dora_dense
 from dora_jax.functional import dora_dense, resolved_impls
 from dora_jax.norm import factored_norm
@@ -234,10 +234,6 @@ def run(out_dir) -> list[dict]:
         "temp_mib",
         "error",
     ]
-    with open(path, "w", newline="") as fh:
-        w = csv.DictWriter(fh, fieldnames=fields)
-        w.writeheader()
-        for row in rows:
-            w.writerow({k: row.get(k, "") for k in fields})
+    write_csv(path, rows, fields)
     print(f"[{BENCH}] wrote {path}", flush=True)
     return _summary(rows)

@@ -22,11 +22,12 @@ for a fixed adapter), ``inference_cold_ms`` (ours recomputing the norm in every 
 
 from __future__ import annotations
 
-import csv
 import math
 import os
 import pathlib
 import traceback
+
+from benchmarks.measure import write_csv
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # share the GPU with torch
 
@@ -272,8 +273,5 @@ def run(out_dir: pathlib.Path) -> list[dict]:
         "grad_temp_gib",
         "error",
     ]
-    with (out_dir / "model_jax.csv").open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=fields, restval="")
-        w.writeheader()
-        w.writerows(rows)
+    write_csv(out_dir / "model_jax.csv", rows, fields)
     return _summary(by_name, n_layers)

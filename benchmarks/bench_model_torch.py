@@ -28,10 +28,11 @@ Metrics (median of 10 CUDA-event-timed calls after 3 warm-up calls):
 
 from __future__ import annotations
 
-import csv
 import os
 import pathlib
 import traceback
+
+from benchmarks.measure import write_csv
 
 HIDDEN, INTERMEDIATE, HEADS, KV_HEADS, VOCAB = 4096, 14336, 32, 8, 128256
 SEQ, BATCH, RANK, ALPHA = 2048, 1, 384, 768
@@ -282,8 +283,5 @@ def run(out_dir: pathlib.Path) -> list[dict]:
         "grad_peak_gib",
         "error",
     ]
-    with (out_dir / "model_torch.csv").open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=fields, restval="")
-        w.writeheader()
-        w.writerows(rows)
+    write_csv(out_dir / "model_torch.csv", rows, fields)
     return _summary(by_name, n_layers)

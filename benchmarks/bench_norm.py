@@ -18,10 +18,11 @@ Time: median of CUDA-event-timed calls (torch) / wall time to ready (JAX) after 
 
 from __future__ import annotations
 
-import csv
 import math
 import os
 import pathlib
+
+from benchmarks.measure import write_csv
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # share the GPU with torch
 
@@ -214,10 +215,7 @@ def run(out_dir: pathlib.Path) -> list[dict]:
         print(f"[bench_norm] JAX part skipped: {e}")
     out_dir = pathlib.Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    with (out_dir / "norm.csv").open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+    write_csv(out_dir / "norm.csv", rows)
     _plot(rows, out_dir / "norm_memory.png")
     return _summary(rows)
 

@@ -25,7 +25,6 @@ A failing provider is recorded in the CSV with its error and does not stop the o
 from __future__ import annotations
 
 import copy
-import csv
 import gc
 import pathlib
 import traceback
@@ -33,7 +32,7 @@ import traceback
 import torch
 from torch import nn
 
-from benchmarks.measure import cuda_peak_bytes
+from benchmarks.measure import cuda_peak_bytes, write_csv
 
 BENCH = "torch_layer"
 SHAPES = [  # (d_in, d_out, r, tokens)
@@ -274,10 +273,7 @@ def run(out_dir: pathlib.Path) -> list[dict]:
                 print(f"[{BENCH}] {row}", flush=True)
                 gc.collect()
                 torch.cuda.empty_cache()
-    with open(out_dir / "torch_layer.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+    write_csv(out_dir / "torch_layer.csv", rows)
 
     extra = {}
     for name, fn in (("bandwidth", _bandwidth), ("norm", _norm_transient)):
@@ -288,10 +284,10 @@ def run(out_dir: pathlib.Path) -> list[dict]:
             extra[f"{name}.error"] = f"{type(e).__name__}: {e}"[:300]
         gc.collect()
         torch.cuda.empty_cache()
-    with open(out_dir / "torch_layer_kernels.csv", "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["metric", "value"])
-        w.writerows(extra.items())
+    write_csv(
+        out_dir / "torch_layer_kernels.csv",
+        [{"metric": k, "value": v} for k, v in extra.items()],
+    )
     return _summary(rows, extra)
 
 

@@ -1,4 +1,4 @@
-"""CUDA timing and peak-memory helpers shared by the norm, model and convergence benchmarks.
+"""Timing, peak-memory and CSV helpers shared by the benchmarks.
 
 Times are medians over CUDA-event-timed iterations after warm-up; memory is the peak the
 caching allocator saw during one call, over what was allocated before it (so weights and
@@ -7,7 +7,9 @@ inputs already resident do not count, and the call's own output does).
 
 from __future__ import annotations
 
+import csv
 import gc
+import pathlib
 import statistics
 from collections.abc import Callable
 
@@ -91,3 +93,16 @@ def jax_temp_bytes(jitted, *args) -> int | None:
     if analysis is None:
         return None
     return int(analysis.temp_size_in_bytes)
+
+
+def write_csv(path, rows: list[dict], fields: list[str] | None = None) -> pathlib.Path:
+    """Write ``rows`` (dicts) to ``path`` as CSV; ``fields`` defaults to the first row's keys,
+    and keys a row lacks are written empty. Creates the parent folder."""
+    path = pathlib.Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fields = list(rows[0]) if fields is None else fields
+    with path.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=fields, restval="", extrasaction="ignore")
+        w.writeheader()
+        w.writerows(rows)
+    return path

@@ -164,14 +164,14 @@ class Linear(nn.Module):
             self.last_impl = "merged"
             return F.linear(x, self.weight, self.bias)
         norm = base_sq = None
-        lora_A, lora_B = self.lora_A, self.lora_B
+        impl, lora_A, lora_B = self.impl, self.lora_A, self.lora_B
         if self.exact_norm_grad and not torch.compiler.is_compiling():
             base_sq = self._norm_cache.base_sq(self.weight)  # W is frozen: read it once
         elif not torch.compiler.is_compiling():
             # The cache reads version counters: outside compiled graphs only (a compiled
             # module recomputes the norm inside its graph).
-            tier = resolve_impl(self.impl, x, self.out_features)
-            norm = self.norm(impl=tier)
+            impl = resolve_impl(self.impl, x, self.out_features)  # resolved once per call
+            norm = self.norm(impl=impl)
             if not torch.is_grad_enabled() and x.dtype in _LOWP:
                 # Inference: reuse the adapters' activation-dtype casts as well as the norm.
                 lora_A, lora_B = self._norm_cache.adapters_in(lora_A, lora_B, x.dtype)
@@ -185,7 +185,7 @@ class Linear(nn.Module):
             self.bias,
             dropout_p=self.lora_dropout,
             training=self.training,
-            impl=self.impl,
+            impl=impl,
             exact_norm_grad=self.exact_norm_grad,
             norm=norm,
             base_sq=base_sq,

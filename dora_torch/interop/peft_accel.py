@@ -114,9 +114,9 @@ def _accelerated_forward(self, x, *args, **kwargs):
     base = self.get_base_layer()
     weight, lora_A, lora_B = base.weight, self.lora_A[a].weight, self.lora_B[a].weight
     scaling = float(self.scaling[a])
-    norm = None
+    norm, tier = None, "auto"
     if not torch.compiler.is_compiling():  # version counters are read outside graphs only
-        tier = resolve_impl("auto", x, weight.shape[0])
+        tier = resolve_impl("auto", x, weight.shape[0])  # resolved once per call
         norm = getattr(self, CACHE_ATTR).norm(weight, lora_A, lora_B, scaling, impl=tier)
     drop = self.lora_dropout[a]
     return dora_linear(
@@ -129,6 +129,7 @@ def _accelerated_forward(self, x, *args, **kwargs):
         base.bias,
         dropout_p=drop.p if isinstance(drop, nn.Dropout) else 0.0,
         training=self.training,
+        impl=tier,
         norm=norm,
     )
 
