@@ -7,11 +7,21 @@ VJP w.r.t. x and the adapter (x, a, b[, m]) with a fixed random cotangent. Times
 over repetitions of a batch of calls that rotates through several input sets; memory is
 XLA's compiled temp size (``memory_analysis().temp_size_in_bytes``).
 
+Cost control (the bench must fit in ~4 minutes of GPU time; compilation, mostly XLA's GEMM
+autotuning, dominates): each program is compiled once, ahead of time, and that executable is
+both inspected for memory and timed; ``ours_auto`` is not compiled again when ``impl="auto"``
+resolves to the same impls as ``ours_xla`` or ``ours_pallas`` (its rows copy that provider's
+numbers and name it in ``same_as``); inputs are made by one jitted call per shape and deleted
+before the next shape; the headline and the inference shape run first, and the CSV is
+rewritten after every shape, so a run cut short still leaves results. Per-shape wall time and
+per-program compile/timing seconds are printed (and kept in the CSV).
+
     python3 -m benchmarks.run --only jax_layer --skip-tests
 """
 
 from __future__ import annotations
 
+import gc
 import os
 import statistics
 import time
@@ -42,26 +52,66 @@ SHAPES = [
 ]
 HEADLINE = "8192x8192_r384_t4096"
 INFER = "4096x4096_r384_t512_infer"
-N_INPUTS, BATCH, REPS, WARMUP = 3, 10, 12, 3
+# Timing: one warm-up pass over the input sets, then REPS batches of BATCH calls (rotating
+# through the N_INPUTS sets); the median batch gives ms per call. Run 3 used 12 x 10 calls:
+# its medians were stable to ~1%, so 7 x 8 keeps the median robust at half the calls.
+N_INPUTS, BATCH, REPS = 3, 8, 7
 SCALING = 2.0
+# Soft guard against the device's per-command limit: a shape is not started once this many
+# seconds have passed (its rows say so); the expected total is ~4 minutes.
+BUDGET_S = float(os.environ.get("JAX_LAYER_BUDGET_S", "480"))
+FIELDS = [
+    "shape",
+    "d_in",
+    "d_out",
+    "rank",
+    "tokens",
+    "mode",
+    "provider",
+    "kind",
+    "auto_impl",
+    "same_as",
+    "ms",
+    "temp_mib",
+    "compile_s",
+    "time_s",
+    "error",
+]
 
 
 def _inputs(d_in, d_out, r, tokens, seed):
-    ks = jax.random.split(jax.random.key(seed), 8)
-    kernel = (jax.random.normal(ks[0], (d_in, d_out)) / d_in**0.5).astype(BF16)
-    a = jax.random.uniform(ks[1], (d_in, r), minval=-1, maxval=1) / d_in**0.5
-    b = jax.random.normal(ks[2], (r, d_out)) / (SCALING * r**0.5)
-    m = 1.0 + 0.1 * jax.random.normal(ks[3], (d_out,))
-    bias = jax.random.normal(ks[4], (d_out,)).astype(BF16)
-    xs = [jax.random.normal(k, (tokens, d_in), BF16) for k in jax.random.split(ks[5], N_INPUTS)]
-    dys = [jax.random.normal(k, (tokens, d_out), BF16) for k in jax.random.split(ks[6], N_INPUTS)]
-    return kernel, a, b, m, bias, xs, dys
+    """All arrays of one shape from a single jitted call (one compile, not one per op)."""
+
+    @jax.jit
+    def make(key):
+        ks = jax.random.split(key, 8)
+        kernel = (jax.random.normal(ks[0], (d_in, d_out)) / d_in**0.5).astype(BF16)
+        a = jax.random.uniform(ks[1], (d_in, r), minval=-1, maxval=1) / d_in**0.5
+        b = jax.random.normal(ks[2], (r, d_out)) / (SCALING * r**0.5)
+        m = 1.0 + 0.1 * jax.random.normal(ks[3], (d_out,))
+        bias = jax.random.normal(ks[4], (d_out,)).astype(BF16)
+        xs = [jax.random.normal(k, (tokens, d_in), BF16) for k in jax.random.split(ks[5], N_INPUTS)]
+        dys = [
+            jax.random.normal(k, (tokens, d_out), BF16) for k in jax.random.split(ks[6], N_INPUTS)
+        ]
+        return kernel, a, b, m, bias, xs, dys
+
+    return jax.block_until_ready(make(jax.random.key(seed)))
 
 
-def _providers(kernel, a, b, m, bias, mode):
+def _auto_alias(auto: dict[str, str]) -> str | None:
+    """The provider ``ours_auto`` duplicates: every op resolved to the same impl."""
+    impls = set(auto.values())
+    if impls == {"xla"}:
+        return "ours_xla"
+    if impls == {"pallas"}:
+        return "ours_pallas"
+    return None
+
+
+def _providers(kernel, a, b, m, bias, norm, with_auto):
     """name -> (fn(x, *trainable), trainable tuple). Baselines get bf16 adapters."""
     a16, b16, m16 = a.astype(BF16), b.astype(BF16), m.astype(BF16)
-    norm = factored_norm(kernel, a, b, SCALING) if mode == "infer" else None
 
     def ours(impl):
         def f(x, a, b, m):
@@ -69,7 +119,7 @@ def _providers(kernel, a, b, m, bias, mode):
 
         return f, (a, b, m)
 
-    return {
+    provs = {
         "lora": (lambda x, a, b: lora_dense(x, kernel, a, b, SCALING, bias), (a16, b16)),
         "naive_dora": (
             lambda x, a, b, m: naive_dora_dense(x, kernel, a, b, m, SCALING, bias),
@@ -77,8 +127,10 @@ def _providers(kernel, a, b, m, bias, mode):
         ),
         "ours_xla": ours("xla"),
         "ours_pallas": ours("pallas"),
-        "ours_auto": ours("auto"),
     }
+    if with_auto:
+        provs["ours_auto"] = ours("auto")
+    return provs
 
 
 def _fwd(f):
@@ -95,8 +147,8 @@ def _grad(f):
 
 def _time(fn, arg_sets) -> float:
     """Median seconds per call: REPS batches of BATCH calls rotating through arg_sets."""
-    for i in range(WARMUP):
-        jax.block_until_ready(fn(*arg_sets[i % len(arg_sets)]))
+    for args in arg_sets:  # warm-up: one call per input set
+        jax.block_until_ready(fn(*args))
     samples = []
     for _ in range(REPS):
         t0 = time.perf_counter()
@@ -105,52 +157,72 @@ def _time(fn, arg_sets) -> float:
             out = fn(*arg_sets[i % len(arg_sets)])
         jax.block_until_ready(out)
         samples.append((time.perf_counter() - t0) / BATCH)
+        del out
     return statistics.median(samples)
 
 
-def _temp_bytes(fn, args) -> float:
-    analysis = fn.lower(*args).compile().memory_analysis()
+def _temp_bytes(compiled) -> float:
+    analysis = compiled.memory_analysis()
     return float("nan") if analysis is None else float(analysis.temp_size_in_bytes)
 
 
-def _measure(shape):
+def _measure(shape, rows):
+    """Append the rows of one shape to ``rows`` (in place, so a failure keeps earlier rows)."""
     name, d_in, d_out, r, tokens, mode = shape
     kernel, a, b, m, bias, xs, dys = _inputs(d_in, d_out, r, tokens, seed=0)
+    norm = None
+    if mode == "infer":
+        norm = jax.block_until_ready(
+            jax.jit(factored_norm, static_argnums=3)(kernel, a, b, SCALING)
+        )
     auto = resolved_impls((tokens, d_in), (d_in, d_out), r)
     auto_str = ",".join(f"{k}={v}" for k, v in auto.items())
-    rows = []
-    for prov, (f, params) in _providers(kernel, a, b, m, bias, mode).items():
-        kinds = [("fwd", _fwd(f), [(x, *params) for x in xs])]
-        if mode == "train":
-            kinds.append(("grad", _grad(f), [(x, dy, *params) for x, dy in zip(xs, dys)]))
-        for kind, fn, arg_sets in kinds:
-            row = dict(
-                shape=name,
-                d_in=d_in,
-                d_out=d_out,
-                rank=r,
-                tokens=tokens,
-                mode=mode,
-                provider=prov,
-                kind=kind,
-                auto_impl=auto_str,
-                ms=None,
-                temp_mib=None,
-                error="",
-            )
-            try:
-                row["temp_mib"] = _temp_bytes(fn, arg_sets[0]) / 2**20
-                row["ms"] = _time(fn, arg_sets) * 1e3
-            except Exception as e:  # one failing provider must not stop the others
-                traceback.print_exc()
-                row["error"] = f"{type(e).__name__}: {e}"[:300]
-            print(
-                f"[{BENCH}] {name} {prov} {kind}: ms={row['ms']} temp={row['temp_mib']} "
-                f"{row['error']}",
-                flush=True,
-            )
-            rows.append(row)
-    return rows
+    alias = _auto_alias(auto)
+    base = dict(shape=name, d_in=d_in, d_out=d_out, rank=r, tokens=tokens, mode=mode)
+    base["auto_impl"] = auto_str
+    kinds = ("fwd", "grad") if mode == "train" else ("fwd",)
+    try:
+        for prov, (f, params) in _providers(kernel, a, b, m, bias, norm, alias is None).items():
+            for kind in kinds:
+                if kind == "fwd":
+                    jitted, arg_sets = _fwd(f), [(x, *params) for x in xs]
+                else:
+                    jitted = _grad(f)
+                    arg_sets = [(x, dy, *params) for x, dy in zip(xs, dys)]
+                row = dict(base, provider=prov, kind=kind, same_as="", ms=None, temp_mib=None)
+                row.update(compile_s=None, time_s=None, error="")
+                compiled = None
+                try:
+                    t0 = time.perf_counter()
+                    compiled = jitted.lower(*arg_sets[0]).compile()
+                    row["compile_s"] = time.perf_counter() - t0
+                    row["temp_mib"] = _temp_bytes(compiled) / 2**20
+                    t0 = time.perf_counter()
+                    row["ms"] = _time(compiled, arg_sets) * 1e3
+                    row["time_s"] = time.perf_counter() - t0
+                except Exception as e:  # one failing provider must not stop the others
+                    traceback.print_exc()
+                    row["error"] = f"{type(e).__name__}: {e}"[:300]
+                del compiled, jitted, arg_sets
+                print(
+                    f"[{BENCH}] {name} {prov} {kind}: ms={row['ms']} temp={row['temp_mib']} "
+                    f"compile={row['compile_s']} time={row['time_s']} {row['error']}",
+                    flush=True,
+                )
+                rows.append(row)
+        if alias is not None:
+            for row in [r_ for r_ in rows if r_["shape"] == name and r_["provider"] == alias]:
+                rows.append(
+                    dict(row, provider="ours_auto", same_as=alias, compile_s=0.0, time_s=0.0)
+                )
+                print(
+                    f"[{BENCH}] {name} ours_auto {row['kind']}: same impls as {alias}", flush=True
+                )
+    finally:
+        # free this shape's device buffers before the next one allocates its own
+        for arr in jax.tree.leaves((kernel, a, b, m, bias, xs, dys, norm)):
+            arr.delete()
+        gc.collect()
 
 
 def _get(rows, shape, prov, kind, key="ms"):
@@ -211,29 +283,34 @@ def _summary(rows):
     return out
 
 
+def _order(shapes):
+    """Headline and inference shapes first: the summary needs them if the run is cut."""
+    first = [s for s in shapes if s[0] in (HEADLINE, INFER)]
+    return first + [s for s in shapes if s not in first]
+
+
 def run(out_dir) -> list[dict]:
     rows = []
-    for shape in SHAPES:
+    path = out_dir / "jax_layer.csv"
+    t_start = time.perf_counter()
+    for shape in _order(SHAPES):
+        t0 = time.perf_counter()
+        if t0 - t_start > BUDGET_S:
+            msg = f"skipped: time budget JAX_LAYER_BUDGET_S={BUDGET_S:.0f}s spent"
+            rows.append(dict(shape=shape[0], provider="*", kind="*", error=msg))
+            print(f"[{BENCH}] {shape[0]}: {msg}", flush=True)
+            continue
         try:
-            rows += _measure(shape)
+            _measure(shape, rows)
         except Exception as e:  # e.g. out of memory building one shape's inputs
             traceback.print_exc()
             rows.append(dict(shape=shape[0], provider="*", kind="*", error=repr(e)[:300]))
-    path = out_dir / "jax_layer.csv"
-    fields = [
-        "shape",
-        "d_in",
-        "d_out",
-        "rank",
-        "tokens",
-        "mode",
-        "provider",
-        "kind",
-        "auto_impl",
-        "ms",
-        "temp_mib",
-        "error",
-    ]
-    write_csv(path, rows, fields)
+        write_csv(path, rows, FIELDS)  # after every shape: a cut run keeps what it measured
+        print(
+            f"[{BENCH}] {shape[0]}: {time.perf_counter() - t0:.1f}s "
+            f"(total {time.perf_counter() - t_start:.1f}s)",
+            flush=True,
+        )
+    write_csv(path, rows, FIELDS)
     print(f"[{BENCH}] wrote {path}", flush=True)
     return _summary(rows)

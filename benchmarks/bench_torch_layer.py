@@ -2,7 +2,9 @@
 
 Providers (same run, same inputs):
   ours            dora_torch.Linear, fp32 adapters (PEFT's default), impl="auto" (fused)
-  ours_elementwise  the same with the compose as cuBLAS h Bᵀ + elementwise kernel
+  ours_bf16       the same with bf16 adapter parameters (like-for-like with lora_eq)
+  ours_elementwise  ours with the compose as cuBLAS h Bᵀ + elementwise kernel (headline
+                  shape only)
   peft_dora_fp32  PEFT DoRA, default (adapters upcast to fp32)
   peft_dora_bf16  PEFT DoRA, autocast_adapter_dtype=False (bf16 adapters)
   peft_lora_bf16  PEFT LoRA, bf16 adapters
@@ -15,8 +17,12 @@ triton.testing.do_bench with inputs rotated over 3 buffers; peak extra memory =
 max_memory_allocated during one call minus allocated before it (parameter grads are set to
 None first, so they count for everyone).
 
-Also: the compose kernels' achieved bandwidth against a measured device-to-device copy, and the
-transient memory of the norm (ours factored vs PEFT's dense) at 8192→28672, r=384.
+Also: the compose kernels' achieved bandwidth against a measured device-to-device copy, the
+transient memory of the norm (ours factored vs PEFT's dense) at 8192→28672, r=384, and the
+epilogue GEMM's time for each tile config in ``config.LORA_GEMM_CANDIDATES`` on every shape
+(``torch_layer_gemm_configs.csv``; ``config.lora_gemm_config`` encodes the winner), the
+backward reduce pass for each ``config.BWD_CANDIDATES`` and the norm's time
+(``torch_layer_reduce_configs.csv``).
 A failing provider is recorded in the CSV with its error and does not stop the others.
 
     python3 -m benchmarks.run --only torch_layer --skip-tests
@@ -44,12 +50,14 @@ SHAPES = [  # (d_in, d_out, r, tokens)
 ]
 PROVIDERS = [
     "ours",
+    "ours_bf16",
     "ours_elementwise",
     "peft_dora_fp32",
     "peft_dora_bf16",
     "peft_lora_bf16",
     "lora_eq",
 ]
+HEADLINE = (8192, 8192, 384, 4096)
 DT = torch.bfloat16
 ROTATE = 3
 WARMUP_MS, REP_MS = 10, 60
@@ -68,8 +76,9 @@ def _make(provider: str, base: nn.Linear, r: int):
     import dora_torch
 
     alpha = 2 * r
-    if provider in ("ours", "ours_elementwise"):
-        layer = dora_torch.Linear.from_linear(base, r=r, lora_alpha=alpha)
+    if provider.startswith("ours"):
+        dtype = DT if provider == "ours_bf16" else torch.float32
+        layer = dora_torch.Linear.from_linear(base, r=r, lora_alpha=alpha, adapter_dtype=dtype)
         _trained_like(layer.lora_A, layer.lora_B, layer.lora_magnitude_vector, layer.scaling)
         params = [layer.lora_A, layer.lora_B, layer.lora_magnitude_vector]
         return layer, params, layer
@@ -184,7 +193,7 @@ def _bandwidth(T=4096, N=8192):
     compose_ms = bench(lambda: compose_elementwise(lora, base, m, n, 2.0, y=out))
     epi_ms = bench(lambda: compose_forward(h, B, base, m, n, 2.0, epilogue=True))
     bwd_ms = bench(
-        lambda: scale_reduce(a, base, m, n, recover=True, dropout=False, need_dbias=False)
+        lambda: scale_reduce(a, base, m, n, recover=False, dropout=False, need_dbias=False)
     )
     gbs = lambda moved, ms: moved / (ms * 1e-3) / 1e9  # noqa: E731
     return {
@@ -196,6 +205,92 @@ def _bandwidth(T=4096, N=8192):
         "epilogue_gemm_ms": epi_ms,
         "bwd_scale_reduce_ms": bwd_ms,
     }
+
+
+# ------------------------------------------------------------------- epilogue GEMM configs
+def _gemm_configs() -> list[dict]:
+    """Time the epilogue GEMM (y = compose(h Bᵀ), inference form) for every candidate tile
+    config on every benchmark shape."""
+    import triton.testing
+
+    from dora_torch import config
+    from dora_torch.kernels.compose import compose_forward
+
+    rows = []
+    for _, d_out, r, T in SHAPES:
+        torch.manual_seed(0)
+        h = torch.randn(T, r, device="cuda", dtype=DT)
+        B = torch.randn(d_out, r, device="cuda", dtype=DT) * 0.05
+        base = torch.randn(T, d_out, device="cuda", dtype=DT)
+        m = torch.rand(d_out, device="cuda") + 0.5
+        n = torch.rand(d_out, device="cuda") + 0.5
+        for i, cand in enumerate(config.LORA_GEMM_CANDIDATES):
+            ms = triton.testing.do_bench(
+                lambda h=h, B=B, base=base, m=m, n=n, cand=cand: compose_forward(
+                    h, B, base, m, n, 2.0, epilogue=True, gemm_config=cand
+                ),
+                warmup=WARMUP_MS,
+                rep=REP_MS,
+                return_mode="median",
+            )
+            chosen = cand == config.lora_gemm_config(T, d_out)
+            rows.append(
+                {"d_out": d_out, "r": r, "tokens": T, "candidate": i, **vars(cand), "ms": ms,
+                 "chosen": chosen}
+            )  # fmt: skip
+            print(f"[{BENCH}] gemm config {rows[-1]}", flush=True)
+    return rows
+
+
+def _reduce_configs(T=4096, N=8192) -> list[dict]:
+    """Time the backward scale-and-reduce pass for every candidate in
+    ``config.BWD_CANDIDATES`` (bandwidth: reads dy and y, writes dy_g), next to a copy; and
+    the detached norm of the headline layer (time of ``factored_norm`` and of its assembly
+    kernel alone), to account for the fwd+bwd overhead over LoRA."""
+    import triton.testing
+
+    from dora_torch import config, factored_norm
+    from dora_torch.kernels.backward import scale_reduce
+    from dora_torch.kernels.norm import assemble_norm
+
+    torch.manual_seed(0)
+    dy = torch.randn(T, N, device="cuda", dtype=DT)
+    y = torch.randn_like(dy)
+    m = torch.rand(N, device="cuda") + 0.5
+    n = torch.rand(N, device="cuda") + 0.5
+    nbytes = dy.numel() * dy.element_size()
+
+    def bench(f):
+        return triton.testing.do_bench(f, warmup=WARMUP_MS, rep=REP_MS, return_mode="median")
+
+    copy_ms = bench(lambda: y.copy_(dy))
+    rows = [{"what": "copy", "ms": copy_ms, "GBps": 2 * nbytes / (copy_ms * 1e-3) / 1e9}]
+    for i, cand in enumerate(config.BWD_CANDIDATES):
+        ms = bench(
+            lambda cand=cand: scale_reduce(
+                dy, y, m, n, recover=False, dropout=False, need_dbias=False, reduce_config=cand
+            )
+        )
+        rows.append(
+            {"what": f"scale_reduce candidate {i}", **vars(cand), "ms": ms,
+             "GBps": 3 * nbytes / (ms * 1e-3) / 1e9, "chosen": cand == config.BWD}
+        )  # fmt: skip
+    W = torch.randn(N, N, device="cuda", dtype=DT) / N**0.5
+    A = torch.randn(384, N, device="cuda") / N**0.5
+    B = torch.randn(N, 384, device="cuda") * 0.01
+    base_sq = torch.rand(N, device="cuda")
+    U = torch.randn(N, 384, device="cuda")
+    G = torch.randn(384, 384, device="cuda")
+    with torch.no_grad():
+        rows.append(
+            {"what": "factored_norm 8192x8192 r384 (base_sq cached)",
+             "ms": bench(lambda: factored_norm(W, A, B, 2.0, base_sq=base_sq))}
+        )  # fmt: skip
+        ms = bench(lambda: assemble_norm(base_sq, U, B, G, 2.0))
+        rows.append({"what": "assemble_norm 8192 r384", "ms": ms})
+    for row in rows:
+        print(f"[{BENCH}] {row}", flush=True)
+    return rows
 
 
 # --------------------------------------------------------------------- norm transient memory
@@ -252,6 +347,8 @@ def run(out_dir: pathlib.Path) -> list[dict]:
     for d_in, d_out, r, T in SHAPES:
         for mode in ("inference", "fwd_bwd"):
             for provider in PROVIDERS:
+                if provider == "ours_elementwise" and (d_in, d_out, r, T) != HEADLINE:
+                    continue
                 row = {
                     "d_in": d_in,
                     "d_out": d_out,
@@ -274,6 +371,11 @@ def run(out_dir: pathlib.Path) -> list[dict]:
                 gc.collect()
                 torch.cuda.empty_cache()
     write_csv(out_dir / "torch_layer.csv", rows)
+    for name, fn in (("gemm_configs", _gemm_configs), ("reduce_configs", _reduce_configs)):
+        try:
+            write_csv(out_dir / f"torch_layer_{name}.csv", fn())
+        except Exception:
+            traceback.print_exc()
 
     extra = {}
     for name, fn in (("bandwidth", _bandwidth), ("norm", _norm_transient)):
@@ -315,22 +417,32 @@ def _summary(rows, extra) -> list[dict]:
         v = num / den
         add(metric, v, target, None if cmp is None else cmp(v))
 
-    big, small = (8192, 8192, 384, 4096), (4096, 4096, 384, 512)
-    for shape, tag in ((big, "8192² r384 4096tok"), (small, "4096² r384 512tok")):
+    big, small = HEADLINE, (4096, 4096, 384, 512)
+    # lora_eq has bf16 parameters: ours_bf16 is the like-for-like row, ours (fp32 adapters,
+    # fp32 gradients) is reported beside it.
+    for prov in ("ours_bf16", "ours"):
+        for shape, tag in ((big, "8192² r384 4096tok"), (small, "4096² r384 512tok")):
+            ratio(
+                f"inference {prov}/lora_eq {tag}",
+                _get(rows, shape, "inference", prov),
+                _get(rows, shape, "inference", "lora_eq"),
+                "<= 1.10",
+                lambda v: v <= 1.10,
+            )
         ratio(
-            f"inference ours/lora_eq {tag}",
-            _get(rows, shape, "inference", "ours"),
-            _get(rows, shape, "inference", "lora_eq"),
-            "<= 1.10",
-            lambda v: v <= 1.10,
+            f"fwd+bwd {prov}/lora_eq 8192² r384",
+            _get(rows, big, "fwd_bwd", prov),
+            _get(rows, big, "fwd_bwd", "lora_eq"),
+            "<= 1.15",
+            lambda v: v <= 1.15,
         )
-    ratio(
-        "fwd+bwd ours/lora_eq 8192² r384",
-        _get(rows, big, "fwd_bwd", "ours"),
-        _get(rows, big, "fwd_bwd", "lora_eq"),
-        "<= 1.15",
-        lambda v: v <= 1.15,
-    )
+        ratio(
+            f"fwd+bwd peak extra mem {prov}/lora_eq 8192² r384",
+            _get(rows, big, "fwd_bwd", prov, "peak_extra_mib"),
+            _get(rows, big, "fwd_bwd", "lora_eq", "peak_extra_mib"),
+            "<= 1.05",
+            lambda v: v <= 1.05,
+        )
     for mode, tgt in (("inference", 2.0), ("fwd_bwd", 1.4)):
         ratio(
             f"{mode} speedup vs PEFT DoRA bf16-adapters 8192² r384",
@@ -343,13 +455,6 @@ def _summary(rows, extra) -> list[dict]:
             f"{mode} speedup vs PEFT DoRA default(fp32-adapters) 8192² r384",
             _get(rows, big, mode, "peft_dora_fp32"),
             _get(rows, big, mode, "ours"),
-        )
-        ratio(
-            f"{mode} peak extra mem ours/lora_eq 8192² r384",
-            _get(rows, big, mode, "ours", "peak_extra_mib"),
-            _get(rows, big, mode, "lora_eq", "peak_extra_mib"),
-            "<= 1.05",
-            lambda v: v <= 1.05,
         )
         ratio(
             f"{mode} epilogue/elementwise compose time 8192² r384",

@@ -96,11 +96,13 @@ def jax_temp_bytes(jitted, *args) -> int | None:
 
 
 def write_csv(path, rows: list[dict], fields: list[str] | None = None) -> pathlib.Path:
-    """Write ``rows`` (dicts) to ``path`` as CSV; ``fields`` defaults to the first row's keys,
-    and keys a row lacks are written empty. Creates the parent folder."""
+    """Write ``rows`` (dicts) to ``path`` as CSV; ``fields`` defaults to every key of every row
+    in order of first appearance, and keys a row lacks are written empty. Creates the parent
+    folder."""
     path = pathlib.Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fields = list(rows[0]) if fields is None else fields
+    if fields is None:
+        fields = list(dict.fromkeys(k for row in rows for k in row))
     with path.open("w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=fields, restval="", extrasaction="ignore")
         w.writeheader()

@@ -78,7 +78,7 @@ def factored_norm(
     check_vector("base_sq", base_sq, d_out)
     platform = current_platform()
     chosen = resolve_impl(impl, "norm", platform=platform, shape=(0, d_in, d_out, r))
-    n, _, _ = norm_parts(
+    n, _ = norm_parts(
         kernel,
         lora_a,
         lora_b,
@@ -92,9 +92,23 @@ def factored_norm(
     return n
 
 
-def norm_parts(kernel, lora_a, lora_b, base_sq, *, scaling, impl, interpret, chunk_size, config):
-    """(n, U, G): the factored norm and the GEMM results the exact gradient reuses.
+def norm_parts(
+    kernel,
+    lora_a,
+    lora_b,
+    base_sq,
+    *,
+    scaling,
+    impl,
+    interpret,
+    chunk_size,
+    config,
+    grad_parts: bool = False,
+):
+    """(n, w): the factored norm, and with ``grad_parts`` w = s·U + s²·G·b f32 [r, d_out].
 
+    w is the one product the exact norm gradient needs from the norm (db += c ⊙ w); it is
+    returned instead of U and G so the backward neither keeps them nor recomputes G·b.
     The one implementation behind ``factored_norm`` and the custom_vjp's forward; ``impl`` is
     already resolved ("pallas" or "xla"), arguments already checked.
     """
@@ -103,6 +117,7 @@ def norm_parts(kernel, lora_a, lora_b, base_sq, *, scaling, impl, interpret, chu
     if base_sq is None:
         base_sq = base_sq_norm(kernel, chunk_size=chunk_size)
     precision = dot_precision(kernel.dtype)
+    gb = None
     if impl == "pallas":
         n = kernels.norm_assembly(
             u,
@@ -115,8 +130,14 @@ def norm_parts(kernel, lora_a, lora_b, base_sq, *, scaling, impl, interpret, chu
             interpret=interpret,
         )
     else:
-        n = xla_ops.norm_assembly(u, gram, b, base_sq, scaling=scaling, precision=precision)
-    return n, u, gram
+        gb = xla_ops.gram_times_b(gram, b, precision=precision)
+        n = xla_ops.norm_from_gb(u, gb, b, base_sq, scaling=scaling)
+    w = None
+    if grad_parts:
+        if gb is None:  # the Pallas assembly keeps G·b inside the kernel
+            gb = xla_ops.gram_times_b(gram, b, precision=precision)
+        w = scaling * u + scaling * scaling * gb
+    return n, w
 
 
 def _chunks(n: int, chunk: int | None):

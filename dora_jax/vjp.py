@@ -19,9 +19,14 @@ clamped by eps), the terms through n are added:
 
     db += c ⊙ (s·U + s²·G·b),   da += s·K·(b ⊙ c)ᵀ + s²·a·((b ⊙ c)·bᵀ),   dK += c ⊙ (K + s·a·b)
 
-Residuals: x, h [T, r], saved [T, N], and O(N·r) f32 vectors/matrices; never a [d_in, N]
-temporary. Gradients are computed only for inputs JAX marks as perturbed (symbolic zeros), so
-a frozen kernel costs no dK GEMM even without jit.
+Residuals: x, h [T, r], saved [T, N], f32 vectors [N], and only with ``exact_norm_grad`` one
+f32 [r, N] matrix w = s·U + s²·G·b (U and G themselves are never kept, G·b never recomputed);
+never a [d_in, N] temporary. Transposed products are written as ``dot_general`` contractions,
+so the program holds no transpose of the kernel or the adapters (XLA would fold them, but the
+lowered program need not rely on it).
+
+Gradients are computed only for inputs JAX marks as perturbed (symbolic zeros), so a frozen
+kernel costs no dK GEMM even without jit.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ from .norm import norm_parts
 
 _F32 = jnp.float32
 _CONTRACT_0 = (((0,), (0,)), ((), ()))  # aᵀ·b without a transpose
+_CONTRACT_1 = (((1,), (1,)), ((), ()))  # a·bᵀ without a transpose
 
 
 @dataclass(frozen=True)
@@ -59,7 +65,7 @@ class Options:
 
 
 def _norm_parts(opts: Options, kernel, lora_a, lora_b, base_sq):
-    """(n, U, G): the factored norm and the GEMM results the exact gradient reuses."""
+    """(n, w): the factored norm and, with exact_norm_grad, w = s·U + s²·G·b for the backward."""
     return norm_parts(
         kernel,
         lora_a,
@@ -70,6 +76,7 @@ def _norm_parts(opts: Options, kernel, lora_a, lora_b, base_sq):
         interpret=opts.interpret,
         chunk_size=opts.chunk_size,
         config=opts.config,
+        grad_parts=opts.exact_norm_grad,
     )
 
 
@@ -78,12 +85,12 @@ def _forward(opts: Options, x, kernel, lora_a, lora_b, magnitude, bias, base_sq,
     cd = x.dtype
     s = opts.scaling
     if norm is None:
-        n, u, gram = _norm_parts(opts, kernel, lora_a, lora_b, base_sq)
+        n, w = _norm_parts(opts, kernel, lora_a, lora_b, base_sq)
     else:
-        n, u, gram = norm.astype(_F32), None, None
+        n, w = norm.astype(_F32), None
     g = magnitude.astype(_F32) / jnp.maximum(n, EPS)
     a_c, b_c = lora_a.astype(cd), lora_b.astype(cd)
-    h = jnp.dot(x, a_c, preferred_element_type=_F32).astype(cd)
+    h = jnp.dot(x, a_c, preferred_element_type=cd)  # f32 accumulation, rounded once
     base = jnp.dot(x, kernel)
     if opts.compose_impl == "pallas":
         y = kernels.compose(
@@ -101,7 +108,7 @@ def _forward(opts: Options, x, kernel, lora_a, lora_b, magnitude, bias, base_sq,
     else:
         y, saved = xla_ops.compose(base, h, b_c, g, bias, scaling=s, precision=dot_precision(cd))
         saved_is_inner = True
-    res = (x, kernel, lora_a, lora_b, magnitude, bias, h, saved, g, n, u, gram)
+    res = (x, kernel, lora_a, lora_b, magnitude, bias, h, saved, g, n, w)
     return y, (res, saved_is_inner)
 
 
@@ -151,7 +158,7 @@ def _bwd(opts: Options, packed, dy):
     res, flags = packed
     px, pk, pa, pb, pm, pbias = flags.perturbed
     saved_is_inner = flags.saved_is_inner
-    x, kernel, lora_a, lora_b, magnitude, bias, h, saved, g, n, u, gram = res
+    x, kernel, lora_a, lora_b, magnitude, bias, h, saved, g, n, w = res
     none8 = (None,) * 8
     if isinstance(dy, SymbolicZero):
         return none8
@@ -182,11 +189,11 @@ def _bwd(opts: Options, packed, dy):
     if pb or exact:
         db = s * p * g[None, :]
     if pa or px:
-        q = (s * jnp.dot(dy_g, b_c.T, preferred_element_type=_F32)).astype(cd)  # [T, r]
+        q = (s * lax.dot_general(dy_g, b_c, _CONTRACT_1, preferred_element_type=_F32)).astype(cd)
         if pa:
             da = lax.dot_general(x, q, _CONTRACT_0, preferred_element_type=_F32)
         if px:
-            dx = jnp.dot(dy_g, kernel.T) + jnp.dot(q, a_c.T)
+            dx = lax.dot_general(dy_g, kernel, _CONTRACT_1) + lax.dot_general(q, a_c, _CONTRACT_1)
     if pk:
         dk = lax.dot_general(x, dy_g, _CONTRACT_0, preferred_element_type=_F32)
 
@@ -195,16 +202,15 @@ def _bwd(opts: Options, packed, dy):
         c = jnp.where(n >= EPS, dn / n_safe, 0.0)
         bc = b_c.astype(_F32) * c[None, :]  # [r, N]
         prec = dot_precision(cd)
-        gb = jnp.dot(gram, b_c.astype(_F32), precision=prec, preferred_element_type=_F32)
         if pb:
-            db = db + c[None, :] * (s * u + s * s * gb)
+            db = db + c[None, :] * w
         if pa:
-            bbt = jnp.dot(bc, b_c.astype(_F32).T, precision=prec, preferred_element_type=_F32)
-            da = (
-                da
-                + s * jnp.dot(kernel, bc.astype(cd).T, preferred_element_type=_F32)
-                + s * s * jnp.dot(lora_a.astype(_F32), bbt, precision=prec)
+            # (b ⊙ c)·bᵀ contracts over N: activation-dtype operands, f32 accumulation (as kbc)
+            bbt = lax.dot_general(
+                bc.astype(cd), b_c, _CONTRACT_1, precision=prec, preferred_element_type=_F32
             )
+            kbc = lax.dot_general(kernel, bc.astype(cd), _CONTRACT_1, preferred_element_type=_F32)
+            da = da + s * kbc + s * s * jnp.dot(lora_a.astype(_F32), bbt, precision=prec)
         if pk:
             dk = (
                 dk

@@ -32,9 +32,20 @@ def scale_reduce(dy, saved, g):
     return (dy32 * g[None, :]).astype(dy.dtype), jnp.sum(dy32 * saved.astype(_F32), axis=0)
 
 
-def norm_assembly(u, gram, lora_b, base_sq, *, scaling: float, precision=None):
-    """n_j = sqrt(max(base_sq_j + Σ_k b_kj (2s·U_kj + s²·(G b)_kj), 0)), f32 [N]."""
+def gram_times_b(gram, lora_b, *, precision=None):
+    """G·b [r, N] in f32 (the Gram term of the norm; the exact norm gradient reuses it)."""
     b = lora_b.astype(_F32)
-    gb = jnp.dot(gram.astype(_F32), b, precision=precision, preferred_element_type=_F32)
+    return jnp.dot(gram.astype(_F32), b, precision=precision, preferred_element_type=_F32)
+
+
+def norm_from_gb(u, gb, lora_b, base_sq, *, scaling: float):
+    """n_j = sqrt(max(base_sq_j + Σ_k b_kj (2s·U_kj + s²·(G b)_kj), 0)) from a given G·b."""
+    b = lora_b.astype(_F32)
     sq = base_sq.astype(_F32) + jnp.sum(b * (2.0 * scaling * u + scaling * scaling * gb), axis=0)
     return jnp.sqrt(jnp.maximum(sq, 0.0))
+
+
+def norm_assembly(u, gram, lora_b, base_sq, *, scaling: float, precision=None):
+    """n_j = sqrt(max(base_sq_j + Σ_k b_kj (2s·U_kj + s²·(G b)_kj), 0)), f32 [N]."""
+    gb = gram_times_b(gram, lora_b, precision=precision)
+    return norm_from_gb(u, gb, lora_b, base_sq, scaling=scaling)

@@ -18,7 +18,8 @@ import weakref
 
 import torch
 
-from .norm import base_sq_norm, factored_norm
+from . import checks
+from .norm import base_sq_norm, detached_norm
 
 
 class _Stamp:
@@ -41,57 +42,59 @@ class _Stamp:
 
 
 class NormCache:
-    """Cached ‖W‖² (keyed on W) and norm n (keyed on W, A, B, scaling, tier) of one module."""
+    """Cached ‖W‖² (keyed on W) and, per module call signature, the norm n with the adapters
+    cast to the activation dtype (keyed on W, A, B, scaling, tier, dtype) of one module."""
 
     def __init__(self) -> None:
         self.clear()
 
     def clear(self) -> None:
-        self._casts: tuple[tuple, tuple[torch.Tensor, torch.Tensor]] | None = None
         self._base: tuple[_Stamp, torch.Tensor] | None = None
-        self._norm: tuple[tuple, torch.Tensor] | None = None
+        self._state: tuple[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
         self.norm_computations = 0  # how often the norm was (re)computed; for tests and logs
 
     def base_sq(self, weight: torch.Tensor) -> torch.Tensor:
         if self._base is None or not self._base[0].matches(weight):
-            with torch.inference_mode(False):  # see ``norm``
+            with torch.inference_mode(False):  # see ``state``
                 self._base = (_Stamp(weight), base_sq_norm(weight))
         return self._base[1]
 
     @torch.no_grad()
-    def norm(self, weight, lora_A, lora_B, scaling: float, *, impl: str) -> torch.Tensor:
-        """Detached fp32 norm [d_out]; recomputed only when W, A, B, scaling or impl changed."""
+    def state(
+        self, weight, lora_A, lora_B, scaling: float, *, impl: str, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(n, a, b): the detached fp32 norm [d_out] and lora_A, lora_B cast to ``dtype``
+        (detached; the same tensors when already in it). Recomputed only when W, A, B,
+        scaling, the tier or the dtype changed.
+
+        The casts serve every call until the next parameter update: inference calls and the
+        micro-batches of one optimizer step cast the adapters once (the fused autograd
+        Function saves them for backward instead of recasting). Memory: r·(d_in + d_out)
+        elements in ``dtype`` per layer while fp32 adapters are used with 16-bit activations
+        (none otherwise); a forward holds these casts anyway.
+        """
+        if self._state is not None:
+            (sw, sa, sb, key), value = self._state
+            if key == (scaling, impl, dtype) and sa.matches(lora_A) and sb.matches(lora_B):
+                if sw.matches(weight):
+                    return value
+        checks.check_adapter(weight, lora_A, lora_B)  # named errors before any GEMM
         base_sq = self.base_sq(weight)
-        if self._norm is not None:
-            (sw, sa, sb, s, tier), n = self._norm
-            if sw.matches(weight) and sa.matches(lora_A) and sb.matches(lora_B):
-                if s == scaling and tier == impl:
-                    return n
         # A value computed under torch.inference_mode() would be an inference tensor, which a
         # later training step could not save for backward (validation between training steps).
         with torch.inference_mode(False):
-            n = factored_norm(weight, lora_A, lora_B, scaling, base_sq=base_sq, impl=impl)
-        self._norm = ((_Stamp(weight), _Stamp(lora_A), _Stamp(lora_B), scaling, impl), n)
+            a, b = lora_A.detach().to(dtype), lora_B.detach().to(dtype)
+            # The norm's GEMM casts A to W's dtype on CUDA: reuse the cast when it is that one.
+            a_norm = a if dtype == weight.dtype and weight.is_cuda else lora_A.detach()
+            n = detached_norm(weight, a_norm, lora_B.detach(), base_sq, scaling, impl == "fused")
+        self._state = ((_Stamp(weight), _Stamp(lora_A), _Stamp(lora_B), (scaling, impl, dtype)),
+                       (n, a, b))  # fmt: skip
         self.norm_computations += 1
-        return n
+        return n, a, b
 
-    @torch.no_grad()
-    def adapters_in(self, lora_A, lora_B, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """lora_A, lora_B cast to the activation dtype, reused while both are unchanged.
-
-        For calls without gradients only (inference): the casts are detached. Saves two
-        cast kernels per call, which matters when small layers are bound by host overhead.
-        """
-        if lora_A.dtype == dtype and lora_B.dtype == dtype:
-            return lora_A, lora_B
-        if self._casts is not None:
-            (sa, sb, dt), casts = self._casts
-            if dt == dtype and sa.matches(lora_A) and sb.matches(lora_B):
-                return casts
-        with torch.inference_mode(False):
-            casts = (lora_A.detach().to(dtype), lora_B.detach().to(dtype))
-        self._casts = ((_Stamp(lora_A), _Stamp(lora_B), dtype), casts)
-        return casts
+    def norm(self, weight, lora_A, lora_B, scaling: float, *, impl: str) -> torch.Tensor:
+        """Detached fp32 norm [d_out] (shares the entry of ``state`` for W's dtype)."""
+        return self.state(weight, lora_A, lora_B, scaling, impl=impl, dtype=weight.dtype)[0]
 
 
 def clear_caches(model: torch.nn.Module) -> int:

@@ -1,15 +1,14 @@
 """Every tunable of the PyTorch backend in one place: eps, dispatch thresholds, Triton blocks.
 
-Block sizes are (BLOCK_*, num_warps, num_stages) per kernel. Under the Triton
-interpreter (``TRITON_INTERPRET=1``, CPU CI) every autotuned kernel is pruned to
-one small config: the interpreter cannot time configs, and small blocks keep it fast.
+Block sizes are (BLOCK_*, num_warps, num_stages) per kernel, fixed (no autotuning: see
+``lora_gemm_config``). Under the Triton interpreter (``TRITON_INTERPRET=1``, CPU CI) blocks
+shrink (``interp_small``): each program is Python-slow there and big tiles cost RAM.
 """
 
 from __future__ import annotations
 
 import os
-
-import triton
+from dataclasses import dataclass
 
 #: Norm clamp: g = m / max(n, EPS). Must equal ``shared_spec.compose.EPS`` (a test checks).
 EPS = 1e-12
@@ -32,30 +31,56 @@ NORM_ROW_CHUNK = 8192
 COMPOSE_IN_GEMM_EPILOGUE = True
 
 
+#: Triton picks interpreter or compiler when a kernel is decorated (at import), so the
+#: environment is read once, here; set TRITON_INTERPRET=1 before importing dora_torch.
+_INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
 def interpreting() -> bool:
-    """True when Triton kernels run in the CPU interpreter (read at call time)."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    """True when Triton kernels run in the CPU interpreter."""
+    return _INTERPRETING
 
 
 # ---- forward: h @ Bᵀ GEMM with the DoRA epilogue (kernels/compose.py) -------------------------
-def lora_gemm_configs() -> list[triton.Config]:
-    """Autotune space of the epilogue GEMM (K = r is small: the kernel is bound by the base
-    read and the y write, so wide N tiles and few stages). ``DORA_TORCH_AUTOTUNE=0`` keeps
-    only the first config (the GPU tests set it: compiling five configs per shape dominated
-    their run time)."""
+@dataclass(frozen=True)
+class GemmConfig:
+    block_m: int
+    block_n: int
+    group_m: int
+    num_warps: int
+    num_stages: int
+
+
+#: Candidates for the epilogue GEMM (K = r is small: the kernel is bound by the base read and
+#: the y write, so wide N tiles and few stages). ``benchmarks/bench_torch_layer.py`` times
+#: each on the benchmark shapes (``torch_layer_gemm_configs.csv``); ``lora_gemm_config``
+#: encodes the winner. No ``triton.autotune``: its per-call key building cost ~15 µs of host
+#: time per launch on the H200 host, which small, launch-bound layers cannot afford.
+LORA_GEMM_CANDIDATES = (
+    GemmConfig(128, 128, 8, 8, 3),
+    GemmConfig(128, 256, 8, 8, 3),
+    GemmConfig(64, 256, 8, 8, 3),
+    GemmConfig(128, 128, 8, 4, 4),
+    GemmConfig(64, 128, 8, 4, 4),
+)
+_INTERPRETER_GEMM = GemmConfig(16, 32, 4, 1, 1)
+
+
+#: Tile count from which the wide tile (candidate 1) fills the H200's 132 SMs twice over.
+LORA_GEMM_WIDE_MIN_TILES = 264
+
+
+def lora_gemm_config(M: int, N: int) -> GemmConfig:
+    """The epilogue GEMM's tiles for y [M, N]. Measured on the H200 (run 6,
+    ``results/torch_layer_gemm_configs.csv``): 128×256 tiles, 8 warps, 3 stages are fastest
+    wherever they make enough tiles (−17% at 4096×8192, −23% at 2048×28672 against 128×128);
+    with fewer tiles (512×4096: 64 of them) 64×128 tiles, 4 warps, 4 stages win (16 vs 45 µs).
+    """
     if interpreting():
-        return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 32, "GROUP_M": 4}, num_warps=1)]
-    configs = [
-        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "GROUP_M": 8}, num_warps=w, num_stages=st)
-        for bm, bn, w, st in [
-            (128, 128, 8, 3),
-            (128, 256, 8, 3),
-            (64, 256, 8, 3),
-            (128, 128, 4, 4),
-            (64, 128, 4, 4),
-        ]
-    ]
-    return configs[:1] if os.environ.get("DORA_TORCH_AUTOTUNE", "1") == "0" else configs
+        return _INTERPRETER_GEMM
+    wide = LORA_GEMM_CANDIDATES[1]
+    tiles = -(-M // wide.block_m) * -(-N // wide.block_n)
+    return wide if tiles >= LORA_GEMM_WIDE_MIN_TILES else LORA_GEMM_CANDIDATES[4]
 
 
 #: Contraction block of the epilogue GEMM (over r); rounded down to r's next power of two,
@@ -67,17 +92,34 @@ COMPOSE_BLOCK_M = 32
 COMPOSE_BLOCK_N = 128
 COMPOSE_WARPS = 4
 
-# ---- backward: scale by g + reduce dm, dbias over tokens (kernels/backward.py) ----------------
-BWD_BLOCK_M = 32
-BWD_BLOCK_N = 128
-BWD_WARPS = 4
-#: Tokens each program reduces; partial sums are [cdiv(T, BWD_ROWS_PER_PROGRAM), d_out] fp32.
-BWD_ROWS_PER_PROGRAM = 256
 
-# ---- backward: dm for rows with zero magnitude when inner is recovered from y -----------------
-ZERO_MAG_BLOCK_T = 32
-ZERO_MAG_BLOCK_D = 64
-ZERO_MAG_WARPS = 4
+# ---- backward: scale by g + reduce dm, dbias over tokens (kernels/backward.py) ----------------
+@dataclass(frozen=True)
+class ReduceConfig:
+    block_m: int  # tokens per inner step
+    block_n: int  # columns per program
+    num_warps: int
+    rows_per_program: int  # tokens each program reduces; partials are [cdiv(T, this), d_out]
+
+
+#: The default first; ``benchmarks/bench_torch_layer.py`` times each at 4096 × 8192
+#: (``torch_layer_reduce_configs.csv``). Run 6: the default reached 68% of copy bandwidth.
+BWD_CANDIDATES = (
+    ReduceConfig(32, 128, 4, 256),
+    ReduceConfig(16, 256, 4, 256),
+    ReduceConfig(32, 256, 8, 256),
+    ReduceConfig(64, 128, 8, 512),
+    ReduceConfig(32, 128, 4, 128),
+    ReduceConfig(16, 128, 2, 256),
+)
+BWD = BWD_CANDIDATES[0]
+#: Up to this many dy elements (T·d_out) one program walks all tokens of its columns: the pass
+#: is then a few µs of GPU time, and skipping the partial-sum reduction saves a launch (host
+#: time, which bounds such small layers).
+BWD_SINGLE_PASS_ELEMENTS = 1 << 22
+#: Contraction blocks of the zero-magnitude recompute (x W_colsᵀ over d_in, h B_colsᵀ over r).
+BWD_BLOCK_D = 32
+BWD_BLOCK_R = 32
 
 # ---- norm assembly from U = W Aᵀ and G = A Aᵀ (kernels/norm.py) -------------------------------
 NORM_BLOCK_M = 32

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from . import checks, ops
+from .cache import NormCache
 from .config import EPS
 from .dispatch import resolve_impl
 from .norm import factored_norm
@@ -63,6 +64,55 @@ def dora_linear(
     )[0]
 
 
+def module_dora_linear(
+    cache: NormCache,
+    x,
+    weight,
+    lora_A,
+    lora_B,
+    magnitude,
+    scaling: float,
+    bias=None,
+    *,
+    dropout_p: float = 0.0,
+    training: bool = False,
+    impl: str = "auto",
+    exact_norm_grad: bool = False,
+) -> tuple[torch.Tensor, str]:
+    """``dora_linear`` for a module that owns ``cache`` (``dora_torch.Linear`` and PEFT layers
+    under ``accelerate_peft``): the norm, ‖W‖² and the adapter casts come from the cache,
+    so they are computed once per parameter update. Returns (y, tier)."""
+    norm = base_sq = adapters = None
+    # The cache reads version counters: outside compiled graphs only (a compiled module
+    # recomputes the norm inside its graph). Bad inputs fall through to dora_linear's errors.
+    if not torch.compiler.is_compiling() and isinstance(x, torch.Tensor):
+        if exact_norm_grad:
+            base_sq = cache.base_sq(weight)  # W is frozen: read it once
+        elif x.is_floating_point():
+            impl = resolve_impl(impl, x, weight.shape[0])  # resolved once per call
+            if torch.is_autocast_enabled(x.device.type):  # the dtype is chosen inside
+                norm = cache.norm(weight, lora_A, lora_B, scaling, impl=impl)
+            else:
+                norm, a, b = cache.state(weight, lora_A, lora_B, scaling, impl=impl, dtype=x.dtype)
+                adapters = (a, b)
+    return _dora_linear(
+        x,
+        weight,
+        lora_A,
+        lora_B,
+        magnitude,
+        scaling,
+        bias,
+        dropout_p=dropout_p,
+        training=training,
+        impl=impl,
+        exact_norm_grad=exact_norm_grad,
+        norm=norm,
+        base_sq=base_sq,
+        adapters=adapters,
+    )
+
+
 def _dora_linear(
     x,
     weight,
@@ -78,8 +128,10 @@ def _dora_linear(
     exact_norm_grad=False,
     norm=None,
     base_sq=None,
+    adapters=None,
 ) -> tuple[torch.Tensor, str]:
-    """``dora_linear`` that also returns the tier that ran."""
+    """``dora_linear`` that also returns the tier that ran. ``adapters``: optional (a, b),
+    lora_A and lora_B already cast to x's dtype and detached (a module cache's casts)."""
     if x.is_floating_point() and torch.is_autocast_enabled(x.device.type):
         # Under autocast, run the whole layer in the autocast dtype with autocast off (as
         # nn.Linear's matmuls would), so every product inside sees one activation dtype.
@@ -131,11 +183,15 @@ def _dora_linear(
         save = ops.SAVE_RECOVER  # see ops: when recovering inner from y is sound
     else:
         save = ops.SAVE_INNER
-    args = (x2, x_d, weight.detach(), lora_A, lora_B, magnitude, n, bias, s, tier, save)
+    w = weight.detach()
     if torch.compiler.is_compiling():
-        y, _, _ = torch.ops.dora_torch.linear_forward(*args)
-    elif save == ops.SAVE_NONE:
-        y, _, _ = ops.forward_impl(*args)  # no autograd bookkeeping at all
+        args = (x2, x_d, w, lora_A, lora_B, magnitude, n, bias, s, tier, save)
+        y = torch.ops.dora_torch.linear_forward(*args)[0]
     else:
-        y, _, _ = ops.LinearFunction.apply(*args)
+        a, b = adapters or (lora_A.detach().to(x.dtype), lora_B.detach().to(x.dtype))
+        if save == ops.SAVE_NONE:  # no autograd bookkeeping at all
+            y = ops.forward_core(x2, x_d, w, a, b, magnitude, n, bias, s, tier, save)[0]
+        else:
+            args = (x2, x_d, w, lora_A, lora_B, magnitude, n, bias, s, tier, save, a, b)
+            y = ops.LinearFunction.apply(*args)
     return y.reshape(*lead, d_out), tier

@@ -25,12 +25,9 @@ from shared_spec import scaling_for as spec_scaling_for
 
 from . import checks
 from .cache import NormCache
-from .dispatch import resolve_impl
-from .functional import _dora_linear
+from .functional import module_dora_linear
 from .merge import merge_weight, unmerge_weight
 from .norm import factored_norm
-
-_LOWP = (torch.float16, torch.bfloat16)
 
 
 def scaling_for(r: int, lora_alpha: float, use_rslora: bool = False) -> float:
@@ -163,32 +160,19 @@ class Linear(nn.Module):
         if self.merged:
             self.last_impl = "merged"
             return F.linear(x, self.weight, self.bias)
-        norm = base_sq = None
-        impl, lora_A, lora_B = self.impl, self.lora_A, self.lora_B
-        if self.exact_norm_grad and not torch.compiler.is_compiling():
-            base_sq = self._norm_cache.base_sq(self.weight)  # W is frozen: read it once
-        elif not torch.compiler.is_compiling():
-            # The cache reads version counters: outside compiled graphs only (a compiled
-            # module recomputes the norm inside its graph).
-            impl = resolve_impl(self.impl, x, self.out_features)  # resolved once per call
-            norm = self.norm(impl=impl)
-            if not torch.is_grad_enabled() and x.dtype in _LOWP:
-                # Inference: reuse the adapters' activation-dtype casts as well as the norm.
-                lora_A, lora_B = self._norm_cache.adapters_in(lora_A, lora_B, x.dtype)
-        y, tier = _dora_linear(
+        y, tier = module_dora_linear(
+            self._norm_cache,
             x,
             self.weight,
-            lora_A,
-            lora_B,
+            self.lora_A,
+            self.lora_B,
             self.lora_magnitude_vector,
             self.scaling,
             self.bias,
             dropout_p=self.lora_dropout,
             training=self.training,
-            impl=impl,
+            impl=self.impl,
             exact_norm_grad=self.exact_norm_grad,
-            norm=norm,
-            base_sq=base_sq,
         )
         if not torch.compiler.is_compiling():
             self.last_impl = tier

@@ -62,6 +62,8 @@ def gram(lora_A, weight, *, chunk_size=None) -> torch.Tensor:
     """G = A Aᵀ, fp32 [r, r] (A in weight's dtype on CUDA with a 16-bit weight, else fp32)."""
     if _fast_lowp(weight):
         a = lora_A.detach().to(weight.dtype)
+        if chunk_size is None:
+            return mm_out(a, a.t(), torch.float32)
         return _sum(
             mm_out(a[:, c], a[:, c].t(), torch.float32) for c in _columns(a.shape[1], chunk_size)
         )
@@ -78,6 +80,8 @@ def cross_terms(weight, lora_A, *, chunk_size=None) -> torch.Tensor:
     d_out, d_in = weight.shape
     if _fast_lowp(weight):
         a = lora_A.detach().to(weight.dtype)
+        if chunk_size is None:
+            return mm_out(weight, a.t(), torch.float32)
         return _sum(
             mm_out(weight[:, c], a[:, c].t(), torch.float32) for c in _columns(d_in, chunk_size)
         )
@@ -100,18 +104,25 @@ def assemble(base_sq, U, lora_B, G, scaling: float, *, fused: bool) -> torch.Ten
     return sq.clamp_min(0.0).sqrt()
 
 
-def _detached_norm(weight, lora_A, lora_B, base_sq, scaling, chunk_size, fused):
-    """The norm without a graph; U only ever exists for a block of rows (bounded transient)."""
+def detached_norm(weight, lora_A, lora_B, base_sq, scaling: float, fused: bool, chunk_size=None):
+    """The norm without a graph or argument checks (callers validated them): fp32 [d_out].
+
+    U only ever exists for ``config.NORM_ROW_CHUNK`` rows at a time (bounded transient).
+    On CUDA with a 16-bit W, lora_A may already be in W's dtype (the cast is then free).
+    """
     if _fast_lowp(weight):
         lora_A = lora_A.detach().to(weight.dtype)  # cast once for G and every block of U
     G = gram(lora_A, weight, chunk_size=chunk_size)
-    out = []
     step = config.NORM_ROW_CHUNK
-    for i in range(0, max(weight.shape[0], 1), step):
+    if weight.shape[0] <= step:  # the common case: one block, no slicing
+        U = cross_terms(weight, lora_A, chunk_size=chunk_size)
+        return assemble(base_sq, U, lora_B, G, scaling, fused=fused)
+    out = []
+    for i in range(0, weight.shape[0], step):
         rows = slice(i, i + step)
         U = cross_terms(weight[rows], lora_A, chunk_size=chunk_size)
         out.append(assemble(base_sq[rows], U, lora_B[rows], G, scaling, fused=fused))
-    return out[0] if len(out) == 1 else torch.cat(out)
+    return torch.cat(out)
 
 
 class _FactoredNorm(torch.autograd.Function):
@@ -124,7 +135,7 @@ class _FactoredNorm(torch.autograd.Function):
             n = assemble(base_sq, U, lora_B, G, scaling, fused=fused)
             ctx.save_for_backward(weight, lora_A, lora_B, U, G, n)
             return n
-        return _detached_norm(weight, lora_A, lora_B, base_sq, scaling, chunk_size, fused)
+        return detached_norm(weight, lora_A, lora_B, base_sq, scaling, fused, chunk_size)
 
     @staticmethod
     def backward(ctx, dn):
@@ -179,5 +190,5 @@ def factored_norm(
     fused = impl == "fused" or (impl == "auto" and weight.is_cuda)
     if not (torch.is_grad_enabled() and (lora_A.requires_grad or lora_B.requires_grad)):
         # No graph needed: skip the autograd.Function's host overhead (the common case).
-        return _detached_norm(weight.detach(), lora_A, lora_B, base_sq, s, chunk, fused)
+        return detached_norm(weight.detach(), lora_A, lora_B, base_sq, s, fused, chunk)
     return _FactoredNorm.apply(weight.detach(), lora_A, lora_B, base_sq, s, chunk, fused)

@@ -5,8 +5,9 @@
         -> (dx, dx_d, dA, dB, dm, dn, dbias)
 
 x [T, d_in] and W [d_out, d_in] share the activation dtype; A [r, d_in], B [d_out, r] and m
-may be fp32 (PEFT's default): they are cast to the activation dtype once per call and their
-gradients come back in their own dtype (fp32 GEMM outputs on CUDA). n is the fp32 norm.
+may be fp32 (PEFT's default): they are cast to the activation dtype (once per parameter
+update in modules, whose cache holds the casts) and their gradients come back in their own
+dtype (fp32 GEMM outputs on CUDA). n is the fp32 norm.
 x_d = dropout(x) or None (PEFT's dropout form, DESIGN §1). ``impl`` is "fused" (Triton
 compose / backward kernels, cuBLAS GEMMs) or "eager" (the same algorithm in torch ops).
 
@@ -21,10 +22,10 @@ What is saved for backward (``save``):
      residual add does not). Used by the fused tier only when it is numerically sound:
      bf16/fp32 activations (fp16's narrow exponent range makes small g·inner subnormal),
      no bias (y − b would cancel when |b| ≫ |g·inner|) and no dropout (y is not g·inner
-     there). Rows with g = 0 (m_i = 0) lost inner; a small kernel recomputes their dm from
-     x, W, h, B without a host sync. Otherwise the relative error of y/g is that of a rounded
-     saved inner. Consequence: modifying y in place before backward raises autograd's
-     "modified by an inplace operation" error (a test pins this).
+     there). Columns with g = 0 (m_i = 0) lost inner; the backward kernel recomputes it
+     from x, W, h, B there, without a host sync. Otherwise the relative error of y/g is
+     that of a rounded saved inner. Consequence: modifying y in place before backward
+     raises autograd's "modified by an inplace operation" error (a test pins this).
 Never saved: the dense B·A, fp32 copies of anything [T, d_out].
 
 Gradients (detached norm, DESIGN §4), dy_g = g ⊙ dy, t = dy_g B:
@@ -50,22 +51,9 @@ def _empty(like: torch.Tensor) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------------- forward
-def forward_impl(
-    x: torch.Tensor,
-    x_d: torch.Tensor | None,
-    weight: torch.Tensor,
-    lora_A: torch.Tensor,
-    lora_B: torch.Tensor,
-    magnitude: torch.Tensor,
-    norm: torch.Tensor,
-    bias: torch.Tensor | None,
-    scaling: float,
-    impl: str,
-    save: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The forward computation: the body of the custom op and of the eager autograd Function."""
-    dt = x.dtype
-    a, b = lora_A.to(dt), lora_B.to(dt)
+def forward_core(x, x_d, weight, a, b, magnitude, norm, bias, scaling, impl, save):
+    """The forward computation with the adapters a [r, d_in], b [d_out, r] already in x's
+    dtype. Returns (y, h, inner or None)."""
     x_in = x if x_d is None else x_d
     h = torch.mm(x_in, a.t())
     base = torch.mm(x, weight.t())
@@ -84,16 +72,37 @@ def forward_impl(
             base=None if x_d is None else base,
             store_inner=save == SAVE_INNER,
         )
+        return y, h, inner
+    lora = torch.mm(h, b.t())
+    if x_d is None:
+        y = compose(base, lora, magnitude, norm, scaling, bias)
     else:
-        lora = torch.mm(h, b.t())
-        if x_d is None:
-            y = compose(base, lora, magnitude, norm, scaling, bias)
-        else:
-            y = compose_dropout(base, base_d, lora, magnitude, norm, scaling, bias)
-        inner = None
-        if save == SAVE_INNER:
-            inner = (base_d.float() + scaling * lora.float()).to(dt)
-    return y, h, (inner if save == SAVE_INNER else _empty(y))
+        y = compose_dropout(base, base_d, lora, magnitude, norm, scaling, bias)
+    inner = None
+    if save == SAVE_INNER:
+        inner = (base_d.float() + scaling * lora.float()).to(x.dtype)
+    return y, h, inner
+
+
+def forward_impl(
+    x: torch.Tensor,
+    x_d: torch.Tensor | None,
+    weight: torch.Tensor,
+    lora_A: torch.Tensor,
+    lora_B: torch.Tensor,
+    magnitude: torch.Tensor,
+    norm: torch.Tensor,
+    bias: torch.Tensor | None,
+    scaling: float,
+    impl: str,
+    save: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The body of the ``linear_forward`` custom op: casts the adapters, then ``forward_core``."""
+    dt = x.dtype
+    y, h, inner = forward_core(
+        x, x_d, weight, lora_A.to(dt), lora_B.to(dt), magnitude, norm, bias, scaling, impl, save
+    )
+    return y, h, (_empty(y) if inner is None else inner)
 
 
 linear_forward = torch.library.custom_op(
@@ -110,42 +119,34 @@ def _(x, x_d, weight, lora_A, lora_B, magnitude, norm, bias, scaling, impl, save
 
 
 # ------------------------------------------------------------------------------ backward
-def backward_impl(
-    dy: torch.Tensor,
-    x: torch.Tensor,
-    x_d: torch.Tensor | None,
-    weight: torch.Tensor,
-    lora_A: torch.Tensor,
-    lora_B: torch.Tensor,
-    magnitude: torch.Tensor,
-    norm: torch.Tensor,
-    bias: torch.Tensor | None,
-    h: torch.Tensor,
-    saved: torch.Tensor,
-    scaling: float,
-    impl: str,
-    recover: bool,
-    need_dx: bool,
-    need_dn: bool,
-    need_dbias: bool,
-) -> tuple[
-    torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor
-]:
-    """The backward computation: the body of the custom op and of the eager autograd Function."""
+def backward_core(
+    dy, x, x_d, weight, a, b, magnitude, norm, bias, h, saved, scaling, impl, recover,
+    need_dx, need_dn, need_dbias, dA_dtype, dB_dtype,
+):  # fmt: skip
+    """The backward computation with a, b in x's dtype; dA, dB come back in dA_dtype, dB_dtype.
+    Returns (dx, dx_d, dA, dB, dm, dn, dbias), empty tensors for what was not asked for."""
     dt = x.dtype
     acc = torch.promote_types(dt, torch.float32)  # fp32 accumulation; fp64 stays fp64
     dropout = x_d is not None
     need_dbias = need_dbias and bias is not None  # a frozen bias (the usual case) costs nothing
-    a, b = lora_A.to(dt), lora_B.to(dt)
     dy = dy.to(dt)
     if impl == "fused":
-        from .kernels.backward import scale_reduce, zero_magnitude_dm
+        from .kernels.backward import scale_reduce
 
         dyg, dyg1, dm, dbias = scale_reduce(
-            dy, saved, magnitude, norm, recover=recover, dropout=dropout, need_dbias=need_dbias
+            dy,
+            saved,
+            magnitude,
+            norm,
+            recover=recover,
+            dropout=dropout,
+            need_dbias=need_dbias,
+            x=x,
+            weight=weight,
+            h=h,
+            lora_B=b,
+            scaling=scaling,
         )
-        if recover:
-            zero_magnitude_dm(dm, dy, x, weight, h, b, magnitude, norm, scaling)
     else:
         if recover:
             raise ValueError("the eager tier always saves inner (save=1), never recovers it")
@@ -160,8 +161,8 @@ def backward_impl(
 
     x_in = x_d if dropout else x
     t = torch.mm(dyg, b)  # [T, r]
-    dB = mm_out(dyg.t(), h, acc).mul_(scaling).to(lora_B.dtype)
-    dA = mm_out(t.t(), x_in, acc).mul_(scaling).to(lora_A.dtype)
+    dB = _scaled(mm_out(dyg.t(), h, acc), scaling).to(dB_dtype)
+    dA = _scaled(mm_out(t.t(), x_in, acc), scaling).to(dA_dtype)
     dx, dx_d = _empty(x), _empty(x)
     if need_dx:
         # addmm_ in place: one [T, d_in] buffer per result, not two.
@@ -183,6 +184,39 @@ def backward_impl(
         dn,
         _empty(dy) if dbias is None else dbias.to(bias.dtype),
     )
+
+
+def _scaled(t: torch.Tensor, s: float) -> torch.Tensor:
+    return t if s == 1.0 else t.mul_(s)
+
+
+def backward_impl(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    x_d: torch.Tensor | None,
+    weight: torch.Tensor,
+    lora_A: torch.Tensor,
+    lora_B: torch.Tensor,
+    magnitude: torch.Tensor,
+    norm: torch.Tensor,
+    bias: torch.Tensor | None,
+    h: torch.Tensor,
+    saved: torch.Tensor,
+    scaling: float,
+    impl: str,
+    recover: bool,
+    need_dx: bool,
+    need_dn: bool,
+    need_dbias: bool,
+) -> tuple[
+    torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor
+]:
+    """The body of the ``linear_backward`` custom op: casts the adapters, then ``backward_core``."""
+    dt = x.dtype
+    return backward_core(
+        dy, x, x_d, weight, lora_A.to(dt), lora_B.to(dt), magnitude, norm, bias, h, saved,
+        scaling, impl, recover, need_dx, need_dn, need_dbias, lora_A.dtype, lora_B.dtype,
+    )  # fmt: skip
 
 
 linear_backward = torch.library.custom_op(
@@ -226,41 +260,10 @@ def _(
 
 
 # ------------------------------------------------------------------------------ autograd
-def _setup_context(ctx, inputs, output):
-    x, x_d, weight, lora_A, lora_B, magnitude, norm, bias, scaling, impl, save = inputs
-    y, h, inner = output
-    saved = y if save == SAVE_RECOVER else inner
-    ctx.save_for_backward(x, x_d, weight, lora_A, lora_B, magnitude, norm, bias, h, saved)
-    ctx.scaling, ctx.impl, ctx.save = scaling, impl, save
-
-
-def _backward(ctx, dy, _dh, _dinner, *, backward_fn=None):
-    if ctx.save == SAVE_NONE:
-        raise RuntimeError(
-            "dora_torch.linear_forward ran with save=0 (no gradient expected) but backward "
-            "was called; call it through dora_torch.functional.dora_linear"
-        )
-    x, x_d, weight, lora_A, lora_B, magnitude, norm, bias, h, saved = ctx.saved_tensors
-    need = ctx.needs_input_grad
-    dx, dx_d, dA, dB, dm, dn, dbias = (backward_fn or linear_backward)(
-        dy,
-        x,
-        x_d,
-        weight,
-        lora_A,
-        lora_B,
-        magnitude,
-        norm,
-        bias,
-        h,
-        saved,
-        ctx.scaling,
-        ctx.impl,
-        ctx.save == SAVE_RECOVER,
-        bool(need[0] or need[1]),
-        bool(need[6]),
-        bool(need[7]),
-    )
+def _input_grads(need, x_d, bias, grads):
+    """Map (dx, dx_d, dA, dB, dm, dn, dbias) onto the inputs
+    (x, x_d, weight, lora_A, lora_B, magnitude, norm, bias, ...): None where not needed."""
+    dx, dx_d, dA, dB, dm, dn, dbias = grads
     return (
         dx if need[0] else None,
         dx_d if (need[1] and x_d is not None) else None,
@@ -270,37 +273,72 @@ def _backward(ctx, dy, _dh, _dinner, *, backward_fn=None):
         dm if need[5] else None,
         dn if need[6] else None,
         dbias if (need[7] and bias is not None) else None,
-        None,
-        None,
-        None,
     )
 
 
+def _setup_context(ctx, inputs, output):
+    x, x_d, weight, lora_A, lora_B, magnitude, norm, bias, scaling, impl, save = inputs
+    y, h, inner = output
+    saved = y if save == SAVE_RECOVER else inner
+    ctx.save_for_backward(x, x_d, weight, lora_A, lora_B, magnitude, norm, bias, h, saved)
+    ctx.scaling, ctx.impl, ctx.save = scaling, impl, save
+
+
+def _check_saved(ctx):
+    if ctx.save == SAVE_NONE:
+        raise RuntimeError(
+            "dora_torch.linear_forward ran with save=0 (no gradient expected) but backward "
+            "was called; call it through dora_torch.functional.dora_linear"
+        )
+
+
+def _custom_op_backward(ctx, dy, _dh, _dinner):
+    _check_saved(ctx)
+    x, x_d, weight, lora_A, lora_B, magnitude, norm, bias, h, saved = ctx.saved_tensors
+    need = ctx.needs_input_grad
+    grads = linear_backward(
+        dy, x, x_d, weight, lora_A, lora_B, magnitude, norm, bias, h, saved, ctx.scaling,
+        ctx.impl, ctx.save == SAVE_RECOVER, bool(need[0] or need[1]), bool(need[6]),
+        bool(need[7]),
+    )  # fmt: skip
+    return (*_input_grads(need, x_d, bias, grads), None, None, None)
+
+
 torch.library.register_autograd(
-    "dora_torch::linear_forward", _backward, setup_context=_setup_context
+    "dora_torch::linear_forward", _custom_op_backward, setup_context=_setup_context
 )
 
 
 class LinearFunction(torch.autograd.Function):
     """The same forward/backward as the custom ops, without the custom-op dispatch.
 
-    ``torch.library.custom_op`` dispatch costs host time on every eager call: on the H200 its
-    wrappers took ~0.86 ms of the 2.35 ms host time of one fwd+bwd at 4096², 512 tokens
-    (0.27 ms of GPU work; benchmarks/NOTES.md), which dominates small layers. Eager calls
+    ``torch.library.custom_op`` dispatch costs host time on every eager call (run 2 on the
+    H200: ~0.86 ms of the 2.35 ms host time of one fwd+bwd at 4096², 512 tokens, against
+    0.27 ms of GPU work; benchmarks/NOTES.md), which dominates small layers. Eager calls
     therefore use this Function; compiled graphs use the custom ops
-    (``dora_torch.functional`` picks).
+    (``dora_torch.functional`` picks). It also takes the adapters already cast to the
+    activation dtype (``a``, ``b``: the module cache's casts) and saves those for backward,
+    so nothing is recast per call; its only output is y.
     """
 
     @staticmethod
-    def forward(ctx, x, x_d, weight, lora_A, lora_B, magnitude, norm, bias, scaling, impl, save):
-        out = forward_impl(
-            x, x_d, weight, lora_A, lora_B, magnitude, norm, bias, scaling, impl, save
-        )
-        inputs = (x, x_d, weight, lora_A, lora_B, magnitude, norm, bias, scaling, impl, save)
-        _setup_context(ctx, inputs, out)
-        ctx.mark_non_differentiable(out[1], out[2])
-        return out
+    def forward(ctx, x, x_d, weight, lora_A, lora_B, magnitude, norm, bias, scaling, impl, save,
+                a, b):  # fmt: skip
+        y, h, inner = forward_core(x, x_d, weight, a, b, magnitude, norm, bias, scaling, impl, save)
+        saved = y if save == SAVE_RECOVER else inner
+        ctx.save_for_backward(x, x_d, weight, a, b, magnitude, norm, bias, h, saved)
+        ctx.scaling, ctx.impl, ctx.save = scaling, impl, save
+        ctx.grad_dtypes = (lora_A.dtype, lora_B.dtype)
+        return y
 
     @staticmethod
-    def backward(ctx, dy, dh, dinner):
-        return _backward(ctx, dy, dh, dinner, backward_fn=backward_impl)
+    def backward(ctx, dy):
+        _check_saved(ctx)
+        x, x_d, weight, a, b, magnitude, norm, bias, h, saved = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        grads = backward_core(
+            dy, x, x_d, weight, a, b, magnitude, norm, bias, h, saved, ctx.scaling, ctx.impl,
+            ctx.save == SAVE_RECOVER, bool(need[0] or need[1]), bool(need[6]), bool(need[7]),
+            *ctx.grad_dtypes,
+        )  # fmt: skip
+        return (*_input_grads(need, x_d, bias, grads), None, None, None, None, None)

@@ -23,10 +23,7 @@ def _cuda_available() -> bool:
 HAS_CUDA = _cuda_available()
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
-# On a GPU: one epilogue-GEMM config instead of autotuning five (compiling them per test shape
-# dominated the GPU suite), and JAX allocates on demand instead of taking 75% of the card
-# before the torch tests run.
-os.environ.setdefault("DORA_TORCH_AUTOTUNE", "0")
+# On a GPU, JAX allocates on demand instead of taking 75% of the card before the torch tests run.
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 

@@ -32,8 +32,7 @@ from torch import nn
 
 from ..cache import NormCache
 from ..checks import FLOAT_DTYPES
-from ..dispatch import resolve_impl
-from ..functional import dora_linear
+from ..functional import module_dora_linear
 
 REPORT_ATTR = "dora_acceleration_report"
 CACHE_ATTR = "_dora_norm_cache"  # per layer; keyed on tensor identity + version (cache.py)
@@ -114,12 +113,9 @@ def _accelerated_forward(self, x, *args, **kwargs):
     base = self.get_base_layer()
     weight, lora_A, lora_B = base.weight, self.lora_A[a].weight, self.lora_B[a].weight
     scaling = float(self.scaling[a])
-    norm, tier = None, "auto"
-    if not torch.compiler.is_compiling():  # version counters are read outside graphs only
-        tier = resolve_impl("auto", x, weight.shape[0])  # resolved once per call
-        norm = getattr(self, CACHE_ATTR).norm(weight, lora_A, lora_B, scaling, impl=tier)
     drop = self.lora_dropout[a]
-    return dora_linear(
+    return module_dora_linear(
+        getattr(self, CACHE_ATTR),
         x,
         weight,
         lora_A,
@@ -129,9 +125,7 @@ def _accelerated_forward(self, x, *args, **kwargs):
         base.bias,
         dropout_p=drop.p if isinstance(drop, nn.Dropout) else 0.0,
         training=self.training,
-        impl=tier,
-        norm=norm,
-    )
+    )[0]
 
 
 def _is_accelerated(module) -> bool:

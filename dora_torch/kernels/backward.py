@@ -12,7 +12,9 @@ forward (x_d Wᵀ + s·h Bᵀ):
 one pass over dy, partial sums per token chunk (deterministic: no atomics), summed by the
 launcher. ``inner`` is either saved by the forward or recovered from the output as
 ``inner = y / g`` (only when there is no bias, where it is as accurate as a saved rounded
-inner; rows with g = 0 have lost inner and are fixed by ``_zero_magnitude_dm_kernel``).
+inner). Columns with g = 0 (m = 0) have lost inner: a column block holding one recomputes
+its inner tile as x W_colsᵀ + s·h B_colsᵀ (two small dots), so the rare case needs neither a
+second launch nor a host sync, and the common case pays one branch per program.
 """
 
 from __future__ import annotations
@@ -22,7 +24,56 @@ import triton
 import triton.language as tl
 
 from .. import config
-from .common import check_launchable, unit_stride
+from .common import check_launchable, dot_fp32, dot_precision, unit_stride
+
+_FINITE_MAX = {dt: torch.finfo(dt).max for dt in (torch.float16, torch.bfloat16, torch.float32)}
+
+
+@triton.jit
+def _inner_tile(
+    x_ptr, w_ptr, h_ptr, lb_ptr, rows, cols, M, N, D, R,
+    stride_xm, stride_xd, stride_wn, stride_wd, s,
+    DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
+):  # fmt: skip
+    """inner[rows, cols] = x W_colsᵀ + s·h B_colsᵀ in fp32 (h [M, R] and B [N, R] contiguous)."""
+    mask_m = rows < M
+    mask_n = cols < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        ds = d0 + tl.arange(0, BLOCK_D)
+        xt = tl.load(
+            x_ptr + rows[:, None] * stride_xm + ds[None, :] * stride_xd,
+            mask=mask_m[:, None] & (ds < D)[None, :],
+            other=0.0,
+        )
+        wt = tl.load(
+            w_ptr + cols[None, :] * stride_wn + ds[:, None] * stride_wd,
+            mask=mask_n[None, :] & (ds < D)[:, None],
+            other=0.0,
+        )
+        if DOT_FP32:
+            xt = xt.to(tl.float32)
+            wt = wt.to(tl.float32)
+        acc = tl.dot(xt, wt, acc, input_precision=DOT_PRECISION)
+    lora = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for r0 in range(0, R, BLOCK_R):
+        rs = r0 + tl.arange(0, BLOCK_R)
+        ht = tl.load(
+            h_ptr + rows[:, None] * R + rs[None, :],
+            mask=mask_m[:, None] & (rs < R)[None, :],
+            other=0.0,
+        )
+        bt = tl.load(
+            lb_ptr + cols[None, :] * R + rs[:, None],
+            mask=mask_n[None, :] & (rs < R)[:, None],
+            other=0.0,
+        )
+        if DOT_FP32:
+            ht = ht.to(tl.float32)
+            bt = bt.to(tl.float32)
+        lora = tl.dot(ht, bt, lora, input_precision=DOT_PRECISION)
+    return acc + s * lora
 
 
 @triton.jit
@@ -35,8 +86,14 @@ def _scale_reduce_kernel(
     dyg1_ptr,
     dm_part_ptr,  # [P, N] fp32
     db_part_ptr,  # [P, N] fp32
+    x_ptr,  # RECOVER only (zero-magnitude columns): x [M, D], W [N, D], h [M, R], B [N, R]
+    w_ptr,
+    h_ptr,
+    lb_ptr,
     M,
     N,
+    D,
+    R,
     rows_per_program,
     stride_dym,
     stride_dyn,
@@ -44,22 +101,33 @@ def _scale_reduce_kernel(
     stride_sn,
     stride_gm,
     stride_gn,
-    eps,
+    stride_xm,
+    stride_xd,
+    stride_wn,
+    stride_wd,
+    s,
     OUT_MAX,
+    EPS: tl.constexpr,
     RECOVER: tl.constexpr,
     DROPOUT: tl.constexpr,
     HAS_DBIAS: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_R: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = cols < N
     mag = tl.load(m_ptr + cols, mask=mask_n, other=0.0).to(tl.float32)
-    nrm = tl.maximum(tl.load(n_ptr + cols, mask=mask_n, other=1.0).to(tl.float32), eps)
+    nrm = tl.maximum(tl.load(n_ptr + cols, mask=mask_n, other=1.0).to(tl.float32), EPS)
     g = mag / nrm
-    # y = g·inner (no bias) → inner = y / g; where g = 0 inner is unknown (fixed elsewhere).
+    # y = g·inner (no bias) → inner = y / g; where g = 0 inner is recomputed (see below).
     inv_g = tl.where(g != 0.0, 1.0 / tl.where(g != 0.0, g, 1.0), 0.0)
+    zero_col = (mag == 0.0) & mask_n
+    has_zero = tl.max(zero_col.to(tl.int32), axis=0) > 0
     acc_dm = tl.zeros((BLOCK_N,), dtype=tl.float32)
     acc_db = tl.zeros((BLOCK_N,), dtype=tl.float32)
     start = pid_m * rows_per_program
@@ -74,6 +142,13 @@ def _scale_reduce_kernel(
         ).to(tl.float32)
         if RECOVER:
             sv = sv * inv_g[None, :]
+            if has_zero:
+                inner = _inner_tile(
+                    x_ptr, w_ptr, h_ptr, lb_ptr, rows, cols, M, N, D, R,
+                    stride_xm, stride_xd, stride_wn, stride_wd, s,
+                    DOT_FP32, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_R,
+                )  # fmt: skip
+                sv = tl.where(zero_col[None, :], inner, sv)
         acc_dm += tl.sum(dy * sv, axis=0)
         if HAS_DBIAS:
             acc_db += tl.sum(dy, axis=0)
@@ -99,9 +174,21 @@ def scale_reduce(
     recover: bool,
     dropout: bool,
     need_dbias: bool,
+    x: torch.Tensor | None = None,
+    weight: torch.Tensor | None = None,
+    h: torch.Tensor | None = None,
+    lora_B: torch.Tensor | None = None,
+    scaling: float = 1.0,
+    reduce_config: config.ReduceConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
     """One pass over dy [T, d_out]. Returns (dy_g, dy_g1 or None, dm fp32 [d_out],
-    dbias fp32 [d_out] or None). ``saved`` is inner, or y when ``recover``."""
+    dbias fp32 [d_out] or None).
+
+    ``saved`` is inner, or y when ``recover``; then x [T, d_in], weight [d_out, d_in], h [T, r]
+    and lora_B [d_out, r] (activation dtype) and ``scaling`` are needed too, to recompute inner
+    for columns with magnitude exactly 0. ``reduce_config`` overrides ``config.BWD`` (the
+    benchmark sweeps candidates).
+    """
     check_launchable(dy, saved)
     magnitude, norm = unit_stride(magnitude, norm)
     M, N = dy.shape
@@ -110,9 +197,22 @@ def scale_reduce(
     if M == 0 or N == 0:
         zeros = torch.zeros(N, dtype=torch.float32, device=dy.device)
         return dyg, dyg1, zeros, (zeros.clone() if need_dbias else None)
-    bm = config.interp_small(config.BWD_BLOCK_M)
-    bn = config.interp_small(config.BWD_BLOCK_N, 32)
-    rpp = max(bm, config.interp_small(config.BWD_ROWS_PER_PROGRAM, 64))
+    if recover:
+        if x is None or weight is None or h is None or lora_B is None:
+            raise ValueError("scale_reduce(recover=True) needs x, weight, h and lora_B")
+        check_launchable(x, weight)
+        h, lora_B = h.contiguous(), lora_B.contiguous()
+        D, R = x.shape[1], h.shape[1]
+    else:  # unused pointers and sizes
+        x = weight = h = lora_B = dy
+        D = R = 0
+    cfg = reduce_config or config.BWD
+    bm = config.interp_small(cfg.block_m)
+    bn = config.interp_small(cfg.block_n, 32)
+    if M * N <= config.BWD_SINGLE_PASS_ELEMENTS:
+        rpp = triton.cdiv(M, bm) * bm  # one token chunk: no partial sums to add up
+    else:
+        rpp = max(bm, config.interp_small(cfg.rows_per_program, 64))
     parts = triton.cdiv(M, rpp)
     dm_part = torch.empty((parts, N), dtype=torch.float32, device=dy.device)
     db_part = torch.empty_like(dm_part) if need_dbias else dm_part
@@ -126,8 +226,14 @@ def scale_reduce(
         dyg1 if dropout else dyg,
         dm_part,
         db_part,
+        x,
+        weight,
+        h,
+        lora_B,
         M,
         N,
+        D,
+        R,
         rpp,
         dy.stride(0),
         dy.stride(1),
@@ -135,143 +241,24 @@ def scale_reduce(
         saved.stride(1),
         dyg.stride(0),
         dyg.stride(1),
-        config.EPS,
-        torch.finfo(dy.dtype).max,
-        RECOVER=recover,
-        DROPOUT=dropout,
-        HAS_DBIAS=need_dbias,
-        BLOCK_M=bm,
-        BLOCK_N=bn,
-        num_warps=config.BWD_WARPS,
-    )
-    if parts == 1:  # one token chunk: the partial sums are the sums (saves a launch each)
-        return dyg, dyg1, dm_part[0], (db_part[0] if need_dbias else None)
-    return dyg, dyg1, dm_part.sum(0), (db_part.sum(0) if need_dbias else None)
-
-
-@triton.jit
-def _zero_magnitude_dm_kernel(
-    dy_ptr,
-    x_ptr,
-    w_ptr,
-    h_ptr,
-    lb_ptr,
-    m_ptr,
-    n_ptr,
-    dm_ptr,
-    M,
-    D,
-    R,
-    stride_dym,
-    stride_dyn,
-    stride_xm,
-    stride_xd,
-    stride_wn,
-    stride_wd,
-    stride_hm,
-    stride_hr,
-    stride_lbn,
-    stride_lbr,
-    s,
-    eps,
-    BLOCK_T: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-):
-    """dm_i = Σ_t dy_ti (x_t·W_i + s·h_t·B_i) / max(n_i, eps) for a row i with m_i = 0.
-
-    One program per output row; rows with m_i ≠ 0 run zero loop iterations and store
-    nothing, so the kernel costs a launch unless a magnitude is exactly zero — no host sync.
-    """
-    i = tl.program_id(0)
-    mag = tl.load(m_ptr + i).to(tl.float32)
-    n_tokens = tl.where(mag == 0.0, M, 0)
-    acc = tl.zeros((BLOCK_T,), dtype=tl.float32)
-    for t0 in range(0, n_tokens, BLOCK_T):
-        ts = t0 + tl.arange(0, BLOCK_T)
-        mask_t = ts < M
-        inner = tl.zeros((BLOCK_T,), dtype=tl.float32)
-        for d0 in range(0, D, BLOCK_D):
-            ds = d0 + tl.arange(0, BLOCK_D)
-            mask_d = ds < D
-            xt = tl.load(
-                x_ptr + ts[:, None] * stride_xm + ds[None, :] * stride_xd,
-                mask=mask_t[:, None] & mask_d[None, :],
-                other=0.0,
-            ).to(tl.float32)
-            w = tl.load(w_ptr + i * stride_wn + ds * stride_wd, mask=mask_d, other=0.0)
-            inner += tl.sum(xt * w.to(tl.float32)[None, :], axis=1)
-        for r0 in range(0, R, BLOCK_R):
-            rs = r0 + tl.arange(0, BLOCK_R)
-            mask_r = rs < R
-            ht = tl.load(
-                h_ptr + ts[:, None] * stride_hm + rs[None, :] * stride_hr,
-                mask=mask_t[:, None] & mask_r[None, :],
-                other=0.0,
-            ).to(tl.float32)
-            b = tl.load(lb_ptr + i * stride_lbn + rs * stride_lbr, mask=mask_r, other=0.0)
-            inner += s * tl.sum(ht * b.to(tl.float32)[None, :], axis=1)
-        dy = tl.load(dy_ptr + ts * stride_dym + i * stride_dyn, mask=mask_t, other=0.0)
-        acc += dy.to(tl.float32) * inner
-    nrm = tl.maximum(tl.load(n_ptr + i).to(tl.float32), eps)
-    # Store only for zero-magnitude rows (a scalar store masked by a scalar condition).
-    tl.store(dm_ptr + i, tl.sum(acc, axis=0) / nrm, mask=mag == 0.0)
-
-
-def zero_magnitude_dm(
-    dm: torch.Tensor,
-    dy: torch.Tensor,
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    h: torch.Tensor,
-    lora_B: torch.Tensor,
-    magnitude: torch.Tensor,
-    norm: torch.Tensor,
-    scaling: float,
-) -> torch.Tensor:
-    """Overwrite dm (fp32 [d_out], in place) at rows with magnitude exactly 0, where inner
-    could not be recovered from y = 0·inner. x [T, d_in], weight [d_out, d_in], h [T, r],
-    lora_B [d_out, r] (activation dtype), dy [T, d_out]."""
-    check_launchable(dy, x, weight)
-    magnitude, norm = unit_stride(magnitude, norm)
-    M, D = x.shape
-    N, R = lora_B.shape
-    if M == 0 or N == 0:
-        return dm
-    bt = config.interp_small(config.ZERO_MAG_BLOCK_T)
-    bd = config.interp_small(config.ZERO_MAG_BLOCK_D)
-    br = (
-        min(16, triton.next_power_of_2(R))
-        if config.interpreting()
-        else triton.next_power_of_2(min(R, 64))
-    )
-    _zero_magnitude_dm_kernel[(N,)](
-        dy,
-        x,
-        weight,
-        h,
-        lora_B,
-        magnitude,
-        norm,
-        dm,
-        M,
-        D,
-        R,
-        dy.stride(0),
-        dy.stride(1),
         x.stride(0),
         x.stride(1),
         weight.stride(0),
         weight.stride(1),
-        h.stride(0),
-        h.stride(1),
-        lora_B.stride(0),
-        lora_B.stride(1),
         float(scaling),
-        config.EPS,
-        BLOCK_T=bt,
-        BLOCK_D=bd,
-        BLOCK_R=br,
-        num_warps=config.ZERO_MAG_WARPS,
+        _FINITE_MAX[dy.dtype],
+        EPS=config.EPS,
+        RECOVER=recover,
+        DROPOUT=dropout,
+        HAS_DBIAS=need_dbias,
+        DOT_FP32=dot_fp32(dy.dtype),
+        DOT_PRECISION=dot_precision(dy.dtype),
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        BLOCK_D=config.interp_small(config.BWD_BLOCK_D),
+        BLOCK_R=config.interp_small(config.BWD_BLOCK_R),
+        num_warps=cfg.num_warps,
     )
-    return dm
+    if parts == 1:  # one token chunk: the partial sums are the sums (saves a launch each)
+        return dyg, dyg1, dm_part[0], (db_part[0] if need_dbias else None)
+    return dyg, dyg1, dm_part.sum(0), (db_part.sum(0) if need_dbias else None)

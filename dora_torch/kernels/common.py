@@ -35,15 +35,17 @@ def check_launchable(*tensors: torch.Tensor) -> None:
     for t in tensors:
         if t is None:
             continue
-        if t.device.type == "cpu" and not config.interpreting():
+        if t.is_cpu and not config.interpreting():
             raise ValueError(
                 "impl='fused' on CPU needs the Triton interpreter: set TRITON_INTERPRET=1 before "
                 "importing dora_torch (or use impl='eager')"
             )
-        if element_span(t) >= MAX_KERNEL_SPAN:
+        # Contiguous tensors span numel() elements: skip the Python loop of element_span.
+        span = t.numel() if t.is_contiguous() else element_span(t)
+        if span >= MAX_KERNEL_SPAN:
             raise ValueError(
                 f"impl='fused' indexes with int32 offsets; a tensor of shape {tuple(t.shape)} "
-                f"spans {element_span(t)} elements (limit {MAX_KERNEL_SPAN}): split the tokens "
+                f"spans {span} elements (limit {MAX_KERNEL_SPAN}): split the tokens "
                 "into smaller batches or use impl='eager'"
             )
 

@@ -74,12 +74,6 @@ def _epilogue(
     tl.store(y_ptr + yoff, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.autotune(
-    configs=config.lora_gemm_configs(),
-    key=["N", "K", "M_BUCKET", "HAS_BIAS", "DROPOUT", "STORE_INNER"],
-    # y and inner are stored in place over the base products: restore them between timing runs.
-    restore_value=["y_ptr", "inner_ptr"],
-)
 @triton.jit
 def _lora_gemm_compose_kernel(
     h_ptr,  # [M, K]
@@ -94,7 +88,6 @@ def _lora_gemm_compose_kernel(
     M,
     N,
     K,
-    M_BUCKET,  # autotune key only: next power of two of M
     stride_hm,
     stride_hk,
     stride_lbn,
@@ -106,7 +99,7 @@ def _lora_gemm_compose_kernel(
     stride_im,
     stride_in,
     s,
-    eps,
+    EPS: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     DROPOUT: tl.constexpr,
     STORE_INNER: tl.constexpr,
@@ -174,7 +167,7 @@ def _lora_gemm_compose_kernel(
         stride_im,
         stride_in,
         s,
-        eps,
+        EPS,
         HAS_BIAS,
         DROPOUT,
         STORE_INNER,
@@ -255,6 +248,7 @@ def compose_forward(
     base: torch.Tensor | None = None,
     store_inner: bool = False,
     epilogue: bool | None = None,
+    gemm_config: config.GemmConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Fused DoRA composition. Returns (y, inner or None).
 
@@ -267,7 +261,8 @@ def compose_forward(
     written in place over base_d — so neither costs a new allocation, except y when inner is
     kept without dropout.
     ``epilogue`` (default ``config.COMPOSE_IN_GEMM_EPILOGUE``) picks the GEMM-epilogue kernel
-    or cuBLAS ``h @ Bᵀ`` + the elementwise kernel.
+    or cuBLAS ``h @ Bᵀ`` + the elementwise kernel; ``gemm_config`` overrides the epilogue
+    GEMM's tiles (default ``config.lora_gemm_config``; the benchmark sweeps candidates).
     """
     check_launchable(h, base_d, base)
     magnitude, norm, bias = unit_stride(magnitude, norm, bias)
@@ -299,10 +294,8 @@ def compose_forward(
     }
     if use_epilogue:
         block_k = max(16, min(config.LORA_GEMM_BLOCK_K, triton.next_power_of_2(K)))
-
-        def grid(meta):
-            return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
-
+        cfg = gemm_config or config.lora_gemm_config(M, N)
+        grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n),)
         _lora_gemm_compose_kernel[grid](
             h,
             lora_B,
@@ -316,7 +309,6 @@ def compose_forward(
             M,
             N,
             K,
-            triton.next_power_of_2(M),
             h.stride(0),
             h.stride(1),
             lora_B.stride(0),
@@ -328,10 +320,15 @@ def compose_forward(
             inner_arg.stride(0),
             inner_arg.stride(1),
             float(scaling),
-            config.EPS,
+            EPS=config.EPS,
             DOT_FP32=dot_fp32(h.dtype),
             DOT_PRECISION=dot_precision(h.dtype),
             BLOCK_K=block_k,
+            BLOCK_M=cfg.block_m,
+            BLOCK_N=cfg.block_n,
+            GROUP_M=cfg.group_m,
+            num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
             **flags,
         )
     else:

@@ -57,7 +57,9 @@ def test_cuda_big_odd_shapes_match_eager_in_fp64(d_in, d_out, r, T, dtype, epilo
     try:
         outs = {}
         for tag, d in (("ours", dt), ("ref", torch.float64)):
-            leaves = [t.to(d).requires_grad_(True) for t in (x, A, B, m)]
+            # copy=True: for fp32 `.to` would return the tensor itself, so the reference pass
+            # would see non-leaf inputs (views of the first pass's leaves) and no .grad.
+            leaves = [t.to(d, copy=True).requires_grad_(True) for t in (x, A, B, m)]
             impl = "fused" if tag == "ours" else "eager"
             y = dora_torch.dora_linear(leaves[0], W.to(d), *leaves[1:3], leaves[3], 2.0, impl=impl)
             y.backward(dy.to(d))

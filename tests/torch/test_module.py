@@ -80,21 +80,32 @@ def test_in_place_edits_invalidate_the_norm_cache(which):
     torch.testing.assert_close(y, _reference(layer, x))
 
 
+@pytest.mark.parametrize("grad", [False, True])
 @pytest.mark.parametrize("which", ["lora_A", "lora_B"])
-def test_inference_reuses_adapter_casts_until_an_edit(which):
-    # bf16 activations with fp32 adapters: inference reuses the bf16 casts of A and B.
+def test_calls_reuse_adapter_casts_until_an_edit(which, grad):
+    # bf16 activations with fp32 adapters: inference calls and the micro-batches of one
+    # optimizer step reuse the bf16 casts of A and B; an edit of either recasts both.
     layer = _trained(dora_torch.Linear(16, 12, r=4, lora_alpha=8, dtype=torch.bfloat16))
     x = torch.randn(5, 16, dtype=torch.bfloat16)
     cache = layer._norm_cache
-    with torch.no_grad():
+
+    def casts():
+        return cache.state(
+            layer.weight, layer.lora_A, layer.lora_B, layer.scaling, impl="eager",
+            dtype=torch.bfloat16,
+        )[1:]  # fmt: skip
+
+    with torch.set_grad_enabled(grad):
         layer(x)
-        first = cache.adapters_in(layer.lora_A, layer.lora_B, torch.bfloat16)
+        first = casts()
+        assert first[0].dtype == torch.bfloat16 and not first[0].requires_grad
         layer(x)
-        assert cache.adapters_in(layer.lora_A, layer.lora_B, torch.bfloat16)[0] is first[0]
-        getattr(layer, which).add_(0.25)  # e.g. an optimizer step between evaluations
+        assert casts()[0] is first[0] and casts()[1] is first[1]
+        with torch.no_grad():
+            getattr(layer, which).add_(0.25)  # e.g. an optimizer step
         y = layer(x)
-    assert cache.adapters_in(layer.lora_A, layer.lora_B, torch.bfloat16)[0] is not first[0]
-    torch.testing.assert_close(y, _reference(layer, x))
+    assert casts()[0] is not first[0]
+    torch.testing.assert_close(y.detach(), _reference(layer, x))
 
 
 def test_replaced_weight_invalidates_base_norm():
