@@ -34,6 +34,22 @@ def _bench_modules(only):
     return names
 
 
+def _gpu_state(tag: str) -> None:
+    """Print the GPU's clocks, power and temperature: latency-bound kernels move with the SM
+    clock between machines (benchmarks/NOTES.md), so every run logs it before and after."""
+    query = "name,clocks.sm,clocks.max.sm,clocks.mem,power.draw,temperature.gpu"
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return
+    print(f"[gpu state {tag}] {query}: {out}", flush=True)
+
+
 def _fmt(v):
     if isinstance(v, float):
         return f"{v:.4g}"
@@ -58,6 +74,7 @@ def main(argv=None) -> int:
         test_rc = test_rc if test_rc not in (0, 5) else parity_rc
 
     rows, failures = [], []
+    _gpu_state("before")
     for name in _bench_modules(args.only):
         t0 = time.time()
         try:
@@ -68,6 +85,7 @@ def main(argv=None) -> int:
             failures.append(name)
         print(f"[{name}] {time.time() - t0:.1f}s", flush=True)
 
+    _gpu_state("after")
     print("\n=== summary ===")
     if not args.skip_tests:
         print(f"GPU tests: {'passed' if test_rc == 0 else f'FAILED (pytest exit {test_rc})'}")
