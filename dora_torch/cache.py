@@ -1,4 +1,4 @@
-"""Per-module cache of ‖W‖² and of the detached norm, invalidated by tensor versions.
+"""Per-module cache of ‖W‖², the norm and the adapter casts, invalidated by tensor versions.
 
 A cached value is reused only while every tensor it was computed from is the *same object*
 (weak reference), with the same storage (``data_ptr``), shape, dtype and version counter

@@ -8,9 +8,10 @@ suffixes, which the interop layer maps):
   lora_B [out, r]                trainable  PEFT: lora_B.<name>.weight
   lora_magnitude_vector [out]    trainable  PEFT: lora_magnitude_vector.<name>.weight
 
-Adapters default to fp32 (PEFT's default); the forward casts them to the activation dtype
-once per call. Initialisation as PEFT: A kaiming-uniform(a=√5), B = 0, m = ‖W + s·B·A‖_row
-(= ‖W‖_row), so a fresh layer reproduces the base layer.
+Adapters default to fp32 (PEFT's default); they are cast to the activation dtype once per
+parameter update (the module's cache keeps the casts with the norm). Initialisation as
+PEFT: A kaiming-uniform(a=√5), B = 0, m = ‖W + s·B·A‖_row (= ‖W‖_row), so a fresh layer
+reproduces the base layer.
 """
 
 from __future__ import annotations
