@@ -9,6 +9,9 @@ Providers (same run, same inputs):
   peft_dora_bf16  PEFT DoRA, autocast_adapter_dtype=False (bf16 adapters)
   peft_lora_bf16  PEFT LoRA, bf16 adapters
   lora_eq         cuBLAS bf16 ``addmm(x Wᵀ, x Aᵀ, Bᵀ)`` — the LoRA cost floor
+  *_graphed       ours_bf16 and lora_eq inference replayed from a CUDA graph (input copied
+                  into the graph's static buffer each call): host overhead removed, as under
+                  ``torch.compile(mode="reduce-overhead")``; small (host-bound) shape only
 
 Modes: ``inference`` (no grad, eval; ours reuses its cached norm — weights unchanged) and
 ``fwd_bwd`` (y.backward(dy); ours' norm is invalidated before every call, i.e. the worst case
@@ -56,7 +59,10 @@ PROVIDERS = [
     "peft_dora_bf16",
     "peft_lora_bf16",
     "lora_eq",
+    "ours_bf16_graphed",
+    "lora_eq_graphed",
 ]
+GRAPHED_SHAPES = [(4096, 4096, 384, 512)]  # inference only
 HEADLINE = (8192, 8192, 384, 4096)
 DT = torch.bfloat16
 ROTATE = 3
@@ -127,12 +133,15 @@ def _measure(provider, d_in, d_out, r, T, mode):
     torch.manual_seed(0)
     base = nn.Linear(d_in, d_out, bias=False, device="cuda", dtype=DT)
     base.weight.requires_grad_(False)
-    fn, params, ours = _make(provider, base, r)
+    graphed = provider.endswith("_graphed")
+    fn, params, ours = _make(provider.removesuffix("_graphed"), base, r)
     train = mode == "fwd_bwd"
     if isinstance(fn, nn.Module):
         fn.train(train)
     # fwd+bwd includes dx for every provider (a layer inside a network needs it).
     xs = [torch.randn(T, d_in, device="cuda", dtype=DT, requires_grad=train) for _ in range(ROTATE)]
+    if graphed:
+        fn = _graphed(fn, xs[0])
     dy = torch.randn(T, d_out, device="cuda", dtype=DT)
     state = {"i": 0}
     epilogue_before = config.COMPOSE_IN_GEMM_EPILOGUE
@@ -166,6 +175,28 @@ def _measure(provider, d_in, d_out, r, T, mode):
     finally:
         config.COMPOSE_IN_GEMM_EPILOGUE = epilogue_before
     return {"ms": ms, "peak_extra_mib": peak, "impl": getattr(ours, "last_impl", "")}
+
+
+def _graphed(fn, example):
+    """fn (inference) captured in a CUDA graph; the returned callable copies its input into the
+    graph's static buffer and replays. Warm-up on a side stream first (caches, cuBLAS)."""
+    static_x = example.detach().clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), torch.no_grad():
+        for _ in range(3):
+            fn(static_x)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph), torch.no_grad():
+        static_y = fn(static_x)
+
+    def replay(x):
+        static_x.copy_(x)
+        graph.replay()
+        return static_y
+
+    return replay
 
 
 # ----------------------------------------------------------------------- kernel bandwidth
@@ -286,8 +317,9 @@ def _reduce_configs(T=4096, N=8192) -> list[dict]:
             {"what": "factored_norm 8192x8192 r384 (base_sq cached)",
              "ms": bench(lambda: factored_norm(W, A, B, 2.0, base_sq=base_sq))}
         )  # fmt: skip
-        ms = bench(lambda: assemble_norm(base_sq, U, B, G, 2.0))
-        rows.append({"what": "assemble_norm 8192 r384", "ms": ms})
+        for method in ("kernel", "gemm"):  # config.NORM_ASSEMBLY picks one
+            ms = bench(lambda method=method: assemble_norm(base_sq, U, B, G, 2.0, method=method))
+            rows.append({"what": f"assemble_norm {method} 8192 r384", "ms": ms})
     for row in rows:
         print(f"[{BENCH}] {row}", flush=True)
     return rows
@@ -348,6 +380,10 @@ def run(out_dir: pathlib.Path) -> list[dict]:
         for mode in ("inference", "fwd_bwd"):
             for provider in PROVIDERS:
                 if provider == "ours_elementwise" and (d_in, d_out, r, T) != HEADLINE:
+                    continue
+                if provider.endswith("_graphed") and (
+                    mode != "inference" or (d_in, d_out, r, T) not in GRAPHED_SHAPES
+                ):
                     continue
                 row = {
                     "d_in": d_in,
@@ -443,6 +479,11 @@ def _summary(rows, extra) -> list[dict]:
             "<= 1.05",
             lambda v: v <= 1.05,
         )
+    ratio(
+        "inference ours_bf16/lora_eq 4096² r384 512tok, both CUDA-graphed",
+        _get(rows, small, "inference", "ours_bf16_graphed"),
+        _get(rows, small, "inference", "lora_eq_graphed"),
+    )
     for mode, tgt in (("inference", 2.0), ("fwd_bwd", 1.4)):
         ratio(
             f"{mode} speedup vs PEFT DoRA bf16-adapters 8192² r384",

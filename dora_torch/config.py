@@ -128,6 +128,14 @@ NORM_WARPS = 4
 #: tl.dot precision for B·G in the norm assembly: "tf32x3" splits each fp32 operand into two
 #: TF32 parts (three tensor-core products), ~fp32 accuracy; "ieee" is exact fp32 FMA (slow).
 NORM_DOT_PRECISION = "tf32x3"
+#: How the fused tier assembles the norm (kernels/norm.py): "kernel" (B·G in registers, the
+#: fused kernel above; run 8: 0.132 ms per 8192 rows at r = 384) or "gemm" (cuBLAS fp32 B·G,
+#: then a row-reduction kernel). "gemm" is not yet measured on the GPU; prediction in
+#: benchmarks/NOTES.md (~0.06 ms per 8192 rows). Switch the default only after measuring.
+NORM_ASSEMBLY = "kernel"
+NORM_ROWS_BLOCK_M = 16
+NORM_ROWS_BLOCK_R = 128
+NORM_ROWS_WARPS = 4
 
 
 def interp_small(block: int, small: int = 16) -> int:

@@ -2,10 +2,16 @@
 
     n_i = sqrt(max(‖W_i‖² + 2s·Σ_j B_ij U_ij + s²·Σ_j (B G)_ij B_ij, 0))
 
-with U = W Aᵀ [d_out, r] and G = A Aᵀ [r, r] (fp32, from GEMMs). One program per block of
-rows: (B G) is formed tile by tile in registers and reduced at once, so neither B G nor any
-[d_out, d_in] tensor is ever written. The dots run as 3xTF32 (``config.NORM_DOT_PRECISION``):
-fp32-level accuracy on tensor cores; IEEE fp32 dots cost 134 µs at d_out = 8192, r = 384.
+with U = W Aᵀ [d_out, r] and G = A Aᵀ [r, r] (fp32, from GEMMs). Two ways
+(``config.NORM_ASSEMBLY``):
+
+- ``"kernel"``: ``_norm_assemble_kernel``, one program per block of rows: (B G) is formed tile
+  by tile in registers and reduced at once, so B G is never written. The dots run as 3xTF32
+  (``config.NORM_DOT_PRECISION``): fp32-level accuracy on tensor cores (IEEE fp32 dots cost
+  134 µs at d_out = 8192, r = 384; 3xTF32 0.132 ms in run 8).
+- ``"gemm"``: B G by a cuBLAS fp32 GEMM (an fp32 [rows, r] transient, like U), then
+  ``_norm_rows_kernel`` reduces each row in one pass. Its accuracy follows
+  ``torch.backends.cuda.matmul.allow_tf32`` (off by default: IEEE fp32).
 """
 
 from __future__ import annotations
@@ -73,16 +79,28 @@ def _norm_assemble_kernel(
 
 
 def assemble_norm(
-    base_sq: torch.Tensor, U: torch.Tensor, lora_B: torch.Tensor, G: torch.Tensor, scaling: float
+    base_sq: torch.Tensor,
+    U: torch.Tensor,
+    lora_B: torch.Tensor,
+    G: torch.Tensor,
+    scaling: float,
+    *,
+    method: str | None = None,
 ) -> torch.Tensor:
     """n [d_out] fp32 from base_sq [d_out] fp32, U [d_out, r] fp32, lora_B [d_out, r] (any
-    float dtype), G [r, r] fp32."""
+    float dtype), G [r, r] fp32. ``method``: "kernel" or "gemm" (default
+    ``config.NORM_ASSEMBLY``; see the module docstring)."""
+    method = config.NORM_ASSEMBLY if method is None else method
+    if method not in ("kernel", "gemm"):
+        raise ValueError(f"method must be 'kernel' or 'gemm'; got {method!r}")
     check_launchable(U)
     (base_sq,) = unit_stride(base_sq)
     N, R = lora_B.shape
     out = torch.empty(N, dtype=torch.float32, device=U.device)
     if N == 0:
         return out
+    if method == "gemm":
+        return _assemble_by_gemm(base_sq, U, lora_B, G, scaling, out)
     bm = config.interp_small(config.NORM_BLOCK_M)
     br = max(16, min(config.NORM_BLOCK_R, triton.next_power_of_2(R)))
     _norm_assemble_kernel[(triton.cdiv(N, bm),)](
@@ -104,5 +122,67 @@ def assemble_norm(
         BLOCK_R=br,
         DOT_PRECISION="ieee" if config.interpreting() else config.NORM_DOT_PRECISION,
         num_warps=config.NORM_WARPS,
+    )
+    return out
+
+
+@triton.jit
+def _norm_rows_kernel(
+    base_sq_ptr,
+    u_ptr,
+    bg_ptr,
+    lb_ptr,
+    out_ptr,
+    N,
+    R,
+    stride_un,
+    stride_bgn,
+    stride_bn,
+    stride_br,
+    s,
+    BLOCK_M: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    """n_i = sqrt(max(base_sq_i + Σ_j B_ij (2s·U_ij + s²·(BG)_ij), 0)) for a block of rows
+    (U and BG fp32 with unit column stride)."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    mask_m = rows < N
+    acc = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    for j0 in range(0, R, BLOCK_R):
+        js = j0 + tl.arange(0, BLOCK_R)
+        mask = mask_m[:, None] & (js < R)[None, :]
+        b = tl.load(
+            lb_ptr + rows[:, None] * stride_bn + js[None, :] * stride_br, mask=mask, other=0.0
+        ).to(tl.float32)
+        u = tl.load(u_ptr + rows[:, None] * stride_un + js[None, :], mask=mask, other=0.0)
+        bg = tl.load(bg_ptr + rows[:, None] * stride_bgn + js[None, :], mask=mask, other=0.0)
+        acc += tl.sum(b * (2.0 * s * u + s * s * bg), axis=1)
+    base_sq = tl.load(base_sq_ptr + rows, mask=mask_m, other=0.0).to(tl.float32)
+    tl.store(out_ptr + rows, tl.sqrt(tl.maximum(base_sq + acc, 0.0)), mask=mask_m)
+
+
+def _assemble_by_gemm(base_sq, U, lora_B, G, scaling, out):
+    """The ``"gemm"`` assembly: cuBLAS B·G, then one row-reduction pass."""
+    N, R = lora_B.shape
+    U = U.contiguous()
+    BG = torch.mm(lora_B.float(), G.float())
+    bm = config.interp_small(config.NORM_ROWS_BLOCK_M)
+    br = max(16, min(config.NORM_ROWS_BLOCK_R, triton.next_power_of_2(R)))
+    _norm_rows_kernel[(triton.cdiv(N, bm),)](
+        base_sq,
+        U,
+        BG,
+        lora_B,
+        out,
+        N,
+        R,
+        U.stride(0),
+        BG.stride(0),
+        lora_B.stride(0),
+        lora_B.stride(1),
+        float(scaling),
+        BLOCK_M=bm,
+        BLOCK_R=br,
+        num_warps=config.NORM_ROWS_WARPS,
     )
     return out

@@ -33,6 +33,24 @@ def test_factored_norm_matches_dense(impl, chunk):
     torch.testing.assert_close(n2, n)
 
 
+@pytest.mark.parametrize("method", ["kernel", "gemm"])
+@pytest.mark.parametrize("r", [1, 6, 40])  # 40 > the interpreter's block: several r-steps
+def test_norm_assembly_methods_match_eager(method, r):
+    from dora_torch.kernels.norm import assemble_norm
+    from dora_torch.norm import assemble, cross_terms, gram
+
+    _, W, A, B, _, _, s = random_case_tensors(5, d_in=45, d_out=37, r=r)
+    base_sq = dora_torch.base_sq_norm(W)
+    U, G = cross_terms(W, A), gram(A, W)
+    want = assemble(base_sq, U, B, G, s, fused=False)
+    got = assemble_norm(base_sq, U, B, G, s, method=method)
+    torch.testing.assert_close(got, want, rtol=2e-6, atol=0)
+    ref = S.dense_norm(W.double().numpy(), A.double().numpy(), B.double().numpy(), s)
+    np.testing.assert_allclose(got.numpy(), ref, rtol=2e-6)
+    with pytest.raises(ValueError, match="method"):
+        assemble_norm(base_sq, U, B, G, s, method="dense")
+
+
 def test_factored_norm_bf16_accumulates_in_fp32():
     _, W, A, B, _, _, s = random_case_tensors(4, d_in=512, d_out=16, r=8, dtype=torch.bfloat16)
     n = dora_torch.factored_norm(W, A, B, s)

@@ -141,3 +141,21 @@ def test_cuda_opcheck_fused():
             torch.ops.dora_torch.linear_forward.default,
             (x, None, W, A, B, m, n, bias, 2.0, "fused", save),
         )
+
+
+@pytest.mark.parametrize("method", ["kernel", "gemm"])
+@pytest.mark.parametrize(("d_out", "r"), [(8193, 384), (1000, 7), (4096, 16)])
+def test_cuda_norm_assembly_methods_match_fp64(method, d_out, r):
+    """Both fused norm assemblies (config.NORM_ASSEMBLY) on odd shapes vs float64 torch."""
+    from dora_torch.kernels.norm import assemble_norm
+
+    torch.manual_seed(0)
+    U = torch.randn(d_out, r, device="cuda") * 0.1  # keeps every n² well above 0
+    B = torch.randn(d_out, r, device="cuda") * 0.1
+    A = torch.randn(r, 256, device="cuda") / 16
+    G = A @ A.t()
+    base_sq = torch.rand(d_out, device="cuda") + 1.0
+    Bd, Ud, Gd = B.double(), U.double(), G.double()
+    want = (base_sq.double() + (Bd * (4.0 * Ud + 4.0 * (Bd @ Gd))).sum(1)).clamp_min(0).sqrt()
+    got = assemble_norm(base_sq, U, B, G, 2.0, method=method)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=0)
