@@ -2,7 +2,9 @@
 
 Same shapes as the torch layer benchmark. bf16 activations and kernel; our adapters are f32
 parameters (the library default, cast per call); the baselines run entirely in bf16, as
-measured in DESIGN §5, so no win comes from lower precision. Forward = y; grad = y and the
+measured in DESIGN §5, so no win comes from lower precision. Ours gets ‖K‖² precomputed
+(``base_sq``: the kernel is frozen, and ``DoraDense.cache_base_sq`` / the torch layer cache it
+the same way; runs up to 7 recomputed it in every call). Forward = y; grad = y and the
 VJP w.r.t. x and the adapter (x, a, b[, m]) with a fixed random cotangent. Times are medians
 over repetitions of a batch of calls that rotates through several input sets; memory is
 XLA's compiled temp size (``memory_analysis().temp_size_in_bytes``).
@@ -37,7 +39,7 @@ import jax.numpy as jnp
 from benchmarks.measure import write_csv
 from dora_jax.baselines import lora_dense, naive_dora_dense
 from dora_jax.functional import dora_dense, resolved_impls
-from dora_jax.norm import factored_norm
+from dora_jax.norm import base_sq_norm, factored_norm
 
 BENCH = "jax_layer"
 BF16 = jnp.bfloat16
@@ -112,10 +114,13 @@ def _auto_alias(auto: dict[str, str]) -> str | None:
 def _providers(kernel, a, b, m, bias, norm, with_auto):
     """name -> (fn(x, *trainable), trainable tuple). Baselines get bf16 adapters."""
     a16, b16, m16 = a.astype(BF16), b.astype(BF16), m.astype(BF16)
+    base_sq = None if norm is not None else jax.block_until_ready(jax.jit(base_sq_norm)(kernel))
 
     def ours(impl):
         def f(x, a, b, m):
-            return dora_dense(x, kernel, a, b, m, SCALING, bias, impl=impl, norm=norm)
+            return dora_dense(
+                x, kernel, a, b, m, SCALING, bias, impl=impl, norm=norm, base_sq=base_sq
+            )
 
         return f, (a, b, m)
 
