@@ -80,3 +80,19 @@ def check_chunk_size(chunk_size) -> int | None:
     if int(chunk_size) != chunk_size or int(chunk_size) < 1:
         raise ValueError(f"chunk_size must be a positive integer or None; got {chunk_size!r}")
     return int(chunk_size)
+
+
+def check_dropout(rate, rng=None, deterministic=True, *, name: str = "dropout_rate") -> float:
+    """Adapter dropout arguments; returns the rate as a float."""
+    try:
+        p = float(rate)
+    except Exception as e:  # a tracer: whether dropout runs must be known when tracing
+        raise ValueError(f"{name} must be a concrete Python number; got {rate!r}") from e
+    if not 0.0 <= p < 1.0:  # also rejects NaN
+        raise ValueError(f"{name} must be in [0, 1); got {rate!r}")
+    if p > 0.0 and not deterministic and rng is None:
+        raise ValueError(
+            f"dropout_rng (a jax.random key) is required when dropout_rate={p} > 0 and "
+            "deterministic=False"
+        )
+    return p

@@ -11,6 +11,11 @@ Caches are explicit ``DoraCache`` variables, filled and cleared only by the meth
 them (no hidden global state): ``cache_base_sq()`` stores ||K_:j||² (valid while the kernel is
 unchanged); ``freeze_norm()`` stores the whole column norm for inference with a fixed adapter
 (valid until lora_a, lora_b or the kernel change); ``clear_cache()`` drops both.
+
+Adapter dropout (``lora_dropout > 0``, PEFT's semantics) follows ``nnx.Dropout``'s conventions:
+active while ``deterministic`` is False (``model.train()`` / ``model.eval()`` or ``nnx.view``
+set it, a call argument overrides it), keys from the "dropout" stream of the ``rngs`` given at
+construction (forked, as nnx.Dropout does) or from a ``rngs`` call argument.
 """
 
 from __future__ import annotations
@@ -18,11 +23,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from types import MappingProxyType
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from shared_spec.initialization import scaling_for
 
+from .checks import check_dropout
 from .config import DEFAULT_BLOCKS, BlockConfig
 from .functional import dora_dense
 from .initializers import lora_a_init, lora_b_init
@@ -68,10 +75,16 @@ class DoraDense(nnx.Module):
         (the frozen kernel and bias are created exactly as nnx.Linear would with these rngs).
       adapter_dtype: dtype of lora_a, lora_b and magnitude (default float32, like PEFT).
       impl, exact_norm_grad: passed to ``dora_jax.functional.dora_dense``.
-      rngs: random keys.
+      lora_dropout: adapter dropout rate in [0, 1) (PEFT's ``lora_dropout``; see
+        ``dora_dense``'s ``dropout_rate``: the adapter sees dropout(x), the base x).
+      deterministic: disables the dropout (as ``nnx.Dropout``: default False, i.e. active until
+        ``model.eval()``; it has no effect when ``lora_dropout`` is 0).
+      rngs: random keys (``params`` for lora_a; with ``lora_dropout > 0`` the "dropout" stream,
+        or the default one, is forked for the masks).
 
-    Call: x [..., d_in] → [..., d_out] in the compute dtype (``dtype``, or x and the kernel
-    promoted, as nnx.Linear does).
+    Call: ``layer(x, *, deterministic=None, rngs=None)``: x [..., d_in] → [..., d_out] in the
+    compute dtype (``dtype``, or x and the kernel promoted, as nnx.Linear does);
+    ``deterministic`` and ``rngs`` (an nnx.Rngs, RngStream or key) override the layer's.
     """
 
     def __init__(
@@ -92,6 +105,8 @@ class DoraDense(nnx.Module):
         impl: str = "auto",
         exact_norm_grad: bool = False,
         config: BlockConfig = DEFAULT_BLOCKS,
+        lora_dropout: float = 0.0,
+        deterministic: bool = False,
         base: nnx.Linear | None = None,
         rngs: nnx.Rngs,
     ):
@@ -114,6 +129,8 @@ class DoraDense(nnx.Module):
             )
         if int(rank) != rank or rank < 1:
             raise ValueError(f"rank must be a positive integer; got {rank!r}")
+        self.lora_dropout = check_dropout(lora_dropout, name="lora_dropout")
+        self.deterministic = bool(deterministic)
         self.in_features = in_features
         self.out_features = out_features
         self.rank = int(rank)
@@ -142,6 +159,8 @@ class DoraDense(nnx.Module):
         # data attributes (graph nodes) that hold a DoraCache or None
         self.base_sq = nnx.data(None)
         self.frozen_norm = nnx.data(None)
+        # the dropout masks' key stream, forked as nnx.Dropout does (after lora_a's key)
+        self.dropout_rngs = rngs["dropout"].fork() if self.lora_dropout > 0 else nnx.data(None)
 
     @classmethod
     def from_linear(
@@ -156,6 +175,8 @@ class DoraDense(nnx.Module):
         impl: str = "auto",
         exact_norm_grad: bool = False,
         config: BlockConfig = DEFAULT_BLOCKS,
+        lora_dropout: float = 0.0,
+        deterministic: bool = False,
     ) -> DoraDense:
         """Wrap an existing ``nnx.Linear``; its kernel and bias Variables are reused, not copied."""
         if not isinstance(linear, nnx.Linear):
@@ -172,6 +193,8 @@ class DoraDense(nnx.Module):
             impl=impl,
             exact_norm_grad=exact_norm_grad,
             config=config,
+            lora_dropout=lora_dropout,
+            deterministic=deterministic,
             base=linear,
             rngs=rngs,
         )
@@ -181,7 +204,29 @@ class DoraDense(nnx.Module):
     def _compute_dtype(self, x):
         return nnx.nn.dtypes.canonicalize_dtype(x, self.kernel.get_value(), dtype=self.dtype)
 
-    def __call__(self, x):
+    def set_view(self, deterministic: bool | None = None):
+        """Used by ``nnx.view`` (as ``nnx.Dropout.set_view``)."""
+        if deterministic is not None:
+            self.deterministic = deterministic
+
+    def _dropout_key(self, deterministic, rngs):
+        """The key for this call's dropout mask, or None when dropout is off."""
+        deterministic = self.deterministic if deterministic is None else deterministic
+        if self.lora_dropout == 0.0 or deterministic:
+            return None
+        rngs = self.dropout_rngs if rngs is None else rngs
+        if isinstance(rngs, nnx.Rngs):
+            return rngs["dropout"]()
+        if isinstance(rngs, nnx.RngStream):
+            return rngs()
+        if isinstance(rngs, jax.Array):
+            return rngs
+        raise ValueError(
+            f"rngs must be an nnx.Rngs, RngStream or key for lora_dropout; got {type(rngs)}"
+        )
+
+    def __call__(self, x, *, deterministic: bool | None = None, rngs=None):
+        key = self._dropout_key(deterministic, rngs)
         cd = self._compute_dtype(x)
         kernel = self.kernel.get_value().astype(cd)
         bias = None if self.bias is None else self.bias.get_value()
@@ -198,6 +243,9 @@ class DoraDense(nnx.Module):
             norm=None if self.frozen_norm is None else self.frozen_norm.get_value(),
             base_sq=None if self.base_sq is None else self.base_sq.get_value(),
             config=self.config,
+            dropout_rate=self.lora_dropout,
+            dropout_rng=key,
+            deterministic=key is None,
         )
 
     # -- explicit caches ----------------------------------------------------------------------

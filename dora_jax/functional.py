@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
+from jax import lax
+
 from .checks import (
     check_adapter,
     check_chunk_size,
+    check_dropout,
     check_floating,
     check_input,
     check_scaling,
@@ -30,6 +35,9 @@ def dora_dense(
     chunk_size: int | None = None,
     interpret: bool | None = None,
     config: BlockConfig = DEFAULT_BLOCKS,
+    dropout_rate: float = 0.0,
+    dropout_rng=None,
+    deterministic: bool = True,
 ):
     """DoRA dense layer ``y = g ⊙ (x·K + s·(x·a)·b) + bias``, g = m / max(||K + s·a·b||_col, eps).
 
@@ -48,6 +56,19 @@ def dora_dense(
       base_sq: optional precomputed ``||K_:j||²`` f32 [d_out] (K is frozen, so it can be cached).
       chunk_size: accumulate the norm's GEMMs over slices of d_in.
       interpret: run Pallas kernels in interpret mode (default: when not on a GPU).
+      dropout_rate, dropout_rng, deterministic: adapter dropout with PEFT's semantics (DESIGN
+        §1). Active only when ``dropout_rate > 0`` and ``deterministic`` is False (the default
+        True, as for an eval call, ignores the rate); then x_d = dropout(x) (mask drawn from
+        ``dropout_rng`` by ``dropout_mask``, kept entries scaled by 1/(1 − rate), as
+        ``nnx.Dropout``) feeds the adapter and
+
+            y = x·K + (g − 1) ⊙ (x_d·K) + g ⊙ s·(x_d·a)·b + bias,   g − 1 = (m − n)/n in f32
+
+        which costs a second base GEMM on x_d. That call always composes in XLA (the Pallas
+        compose has no dropout form: ``impl="pallas"`` or an "auto" choice of Pallas falls back
+        to XLA for the compose; the norm and the backward reduction keep their impl). The norm is
+        unaffected by dropout, so ``exact_norm_grad`` works as without it. Gradients reach x
+        through both x and x_d. ``dropout_rate=0`` runs exactly the no-dropout program.
 
     Returns [..., d_out] in x's dtype. The norm and g run in f32 and g is applied in f32, so
     no ``g − 1`` ever forms in the activation dtype. The Pallas compose rounds the output once;
@@ -67,10 +88,16 @@ def dora_dense(
     check_floating("magnitude", magnitude)
     s = check_scaling(scaling)
     chunk_size = check_chunk_size(chunk_size)
+    rate = check_dropout(dropout_rate, dropout_rng, deterministic)
     if norm is not None and exact_norm_grad:
         raise ValueError(
             "norm is a precomputed constant; it cannot be combined with exact_norm_grad"
         )
+
+    x_d = None
+    if rate > 0.0 and not deterministic:
+        keep = dropout_mask(dropout_rng, rate, x.shape)
+        x_d = lax.select(keep, x / (1.0 - rate), jnp.zeros_like(x)).reshape(-1, d_in)
 
     platform = current_platform()
     lead = x.shape[:-1]
@@ -87,8 +114,14 @@ def dora_dense(
         config=config,
     )
     kernel = kernel if kernel.dtype == x.dtype else kernel.astype(x.dtype)
-    y = dora_core(opts, x2, kernel, lora_a, lora_b, magnitude, bias, base_sq, norm)
+    y = dora_core(opts, x2, x_d, kernel, lora_a, lora_b, magnitude, bias, base_sq, norm)
     return y.reshape(*lead, d_out)
+
+
+def dropout_mask(rng, rate: float, shape):
+    """The keep mask (bool, True = kept) ``dora_dense`` draws for adapter dropout on an input of
+    this shape: ``jax.random.bernoulli(rng, 1 − rate, shape)``, as ``nnx.Dropout`` does."""
+    return jax.random.bernoulli(rng, 1.0 - rate, shape)
 
 
 def resolved_impls(x_shape, kernel_shape, rank: int, *, impl: str = "auto") -> dict[str, str]:

@@ -29,7 +29,8 @@ def inject(
       model: any nnx graph (modules, nnx.List/Dict containers).
       target: a regex searched in the "/"-joined path (e.g. ``r"attn/(q|v)_proj$"``), or a
         predicate ``(path, linear) -> bool``.
-      rank, alpha, rngs, **dora_kwargs: passed to ``DoraDense.from_linear``.
+      rank, alpha, rngs, **dora_kwargs: passed to ``DoraDense.from_linear`` (impl,
+        exact_norm_grad, adapter_dtype, lora_dropout, deterministic, ...).
 
     Returns the paths replaced, in graph order. Raises ValueError if nothing matched.
     """

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 
 from shared_spec.initialization import scaling_for
 
+from .checks import check_dropout
 from .config import DEFAULT_BLOCKS, BlockConfig
 from .functional import dora_dense
 from .initializers import lora_a_init, lora_b_init
@@ -23,7 +24,12 @@ from .norm import factored_norm
 
 
 class DoraDense(nn.Module):
-    """DoRA dense layer (linen). x [..., d_in] → [..., features]; see ``dora_jax.DoraDense``."""
+    """DoRA dense layer (linen). x [..., d_in] → [..., features]; see ``dora_jax.DoraDense``.
+
+    Adapter dropout (``lora_dropout > 0``) follows ``nn.Dropout``: active when ``deterministic``
+    (given as the attribute or as the call argument, exactly one of them: ``nn.merge_param``) is
+    False, with keys from the 'dropout' rng collection (``apply(..., rngs={"dropout": key})``).
+    """
 
     features: int
     rank: int
@@ -38,13 +44,15 @@ class DoraDense(nn.Module):
     impl: str = "auto"
     exact_norm_grad: bool = False
     config: BlockConfig = DEFAULT_BLOCKS
+    lora_dropout: float = 0.0
+    deterministic: bool | None = None
 
     @property
     def scaling(self) -> float:
         return scaling_for(self.rank, self.alpha, self.use_rslora)
 
     @nn.compact
-    def __call__(self, x):
+    def __call__(self, x, deterministic: bool | None = None):
         d_in = jnp.shape(x)[-1]
         kernel = self.param("kernel", self.kernel_init, (d_in, self.features), self.param_dtype)
         bias = (
@@ -61,6 +69,10 @@ class DoraDense(nn.Module):
             ),
         )
         x, kernel_c = nn.dtypes.promote_dtype(x, kernel, dtype=self.dtype)
+        rate = check_dropout(self.lora_dropout, name="lora_dropout")
+        key = None
+        if rate > 0.0 and not nn.merge_param("deterministic", self.deterministic, deterministic):
+            key = self.make_rng("dropout")
         return dora_dense(
             x,
             kernel_c,
@@ -72,6 +84,9 @@ class DoraDense(nn.Module):
             impl=self.impl,
             exact_norm_grad=self.exact_norm_grad,
             config=self.config,
+            dropout_rate=rate,
+            dropout_rng=key,
+            deterministic=key is None,
         )
 
 

@@ -19,11 +19,22 @@ clamped by eps), the terms through n are added:
 
     db += c ⊙ (s·U + s²·G·b),   da += s·K·(b ⊙ c)ᵀ + s²·a·((b ⊙ c)·bᵀ),   dK += c ⊙ (K + s·a·b)
 
-Residuals: x, h [T, r], saved [T, N], f32 vectors [N], and only with ``exact_norm_grad`` one
-f32 [r, N] matrix w = s·U + s²·G·b (U and G themselves are never kept, G·b never recomputed);
-never a [d_in, N] temporary. Transposed products are written as ``dot_general`` contractions,
-so the program holds no transpose of the kernel or the adapters (XLA would fold them, but the
-lowered program need not rely on it).
+Residuals: x (and x_d), h [T, r], saved [T, N], f32 vectors [N], and only with
+``exact_norm_grad`` one f32 [r, N] matrix w = s·U + s²·G·b (U and G themselves are never kept,
+G·b never recomputed); never a [d_in, N] temporary. Transposed products are written as
+``dot_general`` contractions, so the program holds no transpose of the kernel or the adapters
+(XLA would fold them, but the lowered program need not rely on it).
+
+Adapter dropout (PEFT's form, DESIGN §1): x_d = dropout(x) [T, d_in] is an input of its own,
+computed outside by the caller as a differentiable function of x; then h = x_d·a, the compose
+always runs in XLA (``xla_ops.compose``), g1 = g − 1 = (m − n)/n is formed in f32, and
+
+    y = x·K + g1 ⊙ (x_d·K) + g ⊙ s·h·b + bias,   inner = x_d·K + s·h·b (saved; dm, c as above)
+    dy_g1 = g1 ⊙ dy,  dx = dy·Kᵀ,  dx_d = dy_g1·Kᵀ + q·aᵀ,  da = x_dᵀ·q,  dK = xᵀ·dy + x_dᵀ·dy_g1
+
+so the formulas above hold with the adapter's input x_d in place of x and dy_g1 in place of dy_g
+on the base product of x_d; the exact-norm terms are unchanged (dy/dn is −g/n ⊙ inner in both).
+JAX's autograd maps dx_d back through the dropout onto x.
 
 Gradients are computed only for inputs JAX marks as perturbed (symbolic zeros), so a frozen
 kernel costs no dK GEMM even without jit.
@@ -80,8 +91,15 @@ def _norm_parts(opts: Options, kernel, lora_a, lora_b, base_sq):
     )
 
 
-def _forward(opts: Options, x, kernel, lora_a, lora_b, magnitude, bias, base_sq, norm):
-    """Returns (y, residuals). x [T, d_in] and kernel [d_in, N] share the activation dtype."""
+def _gain_minus_one(magnitude, n):
+    """g − 1 = (m − n)/n in f32 with n clamped by eps (never g − 1 in the activation dtype)."""
+    n_safe = jnp.maximum(n, EPS)
+    return (magnitude.astype(_F32) - n_safe) / n_safe
+
+
+def _forward(opts: Options, x, x_d, kernel, lora_a, lora_b, magnitude, bias, base_sq, norm):
+    """Returns (y, residuals). x [T, d_in], x_d (like x, or None: no dropout) and kernel
+    [d_in, N] share the activation dtype."""
     cd = x.dtype
     s = opts.scaling
     if norm is None:
@@ -90,9 +108,9 @@ def _forward(opts: Options, x, kernel, lora_a, lora_b, magnitude, bias, base_sq,
         n, w = norm.astype(_F32), None
     g = magnitude.astype(_F32) / jnp.maximum(n, EPS)
     a_c, b_c = lora_a.astype(cd), lora_b.astype(cd)
-    h = jnp.dot(x, a_c, preferred_element_type=cd)  # f32 accumulation, rounded once
+    h = jnp.dot(x if x_d is None else x_d, a_c, preferred_element_type=cd)  # f32 acc, one round
     base = jnp.dot(x, kernel)
-    if opts.compose_impl == "pallas":
+    if opts.compose_impl == "pallas" and x_d is None:
         y = kernels.compose(
             base,
             h,
@@ -106,9 +124,12 @@ def _forward(opts: Options, x, kernel, lora_a, lora_b, magnitude, bias, base_sq,
         )
         saved, saved_is_inner = base, False
     else:
-        y, saved = xla_ops.compose(base, h, b_c, g, bias, scaling=s, precision=dot_precision(cd))
+        dropout = None if x_d is None else (jnp.dot(x_d, kernel), _gain_minus_one(magnitude, n))
+        y, saved = xla_ops.compose(
+            base, h, b_c, g, bias, scaling=s, precision=dot_precision(cd), dropout=dropout
+        )
         saved_is_inner = True
-    res = (x, kernel, lora_a, lora_b, magnitude, bias, h, saved, g, n, w)
+    res = (x, x_d, kernel, lora_a, lora_b, magnitude, bias, h, saved, g, n, w)
     return y, (res, saved_is_inner)
 
 
@@ -117,32 +138,34 @@ def _forward(opts: Options, x, kernel, lora_a, lora_b, magnitude, bias, base_sq,
 class _Flags:
     """Static facts the backward needs: which inputs are perturbed, what the forward saved."""
 
-    perturbed: tuple[bool, ...]  # x, kernel, lora_a, lora_b, magnitude, bias
+    perturbed: tuple[bool, ...]  # x, x_d, kernel, lora_a, lora_b, magnitude, bias
     saved_is_inner: bool
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def dora_core(opts: Options, x, kernel, lora_a, lora_b, magnitude, bias, base_sq, norm):
+def dora_core(opts: Options, x, x_d, kernel, lora_a, lora_b, magnitude, bias, base_sq, norm):
     """DoRA forward on x [T, d_in]; see the module docstring. Returns [T, N] in x's dtype.
 
+    x_d: None, or x after adapter dropout (same shape and dtype), which the adapter then reads.
     kernel must already be in x's dtype; lora_a/lora_b/magnitude/bias keep their own dtypes
     (their gradients come back in them, accumulated in f32). base_sq and norm (f32 [N] or None)
     are constants: they get no gradient.
     """
-    return _forward(opts, x, kernel, lora_a, lora_b, magnitude, bias, base_sq, norm)[0]
+    return _forward(opts, x, x_d, kernel, lora_a, lora_b, magnitude, bias, base_sq, norm)[0]
 
 
-def _fwd(opts: Options, x, kernel, lora_a, lora_b, magnitude, bias, base_sq, norm):
+def _fwd(opts: Options, x, x_d, kernel, lora_a, lora_b, magnitude, bias, base_sq, norm):
     def val(p):
         return None if p is None else p.value
 
     y, (res, saved_is_inner) = _forward(
-        opts, *(val(p) for p in (x, kernel, lora_a, lora_b, magnitude, bias, base_sq, norm))
+        opts,
+        *(val(p) for p in (x, x_d, kernel, lora_a, lora_b, magnitude, bias, base_sq, norm)),
     )
     perturbed = tuple(
-        p is not None and p.perturbed for p in (x, kernel, lora_a, lora_b, magnitude, bias)
+        p is not None and p.perturbed for p in (x, x_d, kernel, lora_a, lora_b, magnitude, bias)
     )
-    if norm is not None and (perturbed[2] or perturbed[3]):
+    if norm is not None and (perturbed[3] or perturbed[4]):
         # A precomputed norm is a snapshot of (kernel, lora_a, lora_b): differentiating the
         # adapters means an optimizer step will change them and the snapshot would go stale
         # without notice. Frozen norms are for inference with frozen adapters.
@@ -156,12 +179,11 @@ def _fwd(opts: Options, x, kernel, lora_a, lora_b, magnitude, bias, base_sq, nor
 
 def _bwd(opts: Options, packed, dy):
     res, flags = packed
-    px, pk, pa, pb, pm, pbias = flags.perturbed
+    px, pxd, pk, pa, pb, pm, pbias = flags.perturbed
     saved_is_inner = flags.saved_is_inner
-    x, kernel, lora_a, lora_b, magnitude, bias, h, saved, g, n, w = res
-    none8 = (None,) * 8
+    x, x_d, kernel, lora_a, lora_b, magnitude, bias, h, saved, g, n, w = res
     if isinstance(dy, SymbolicZero):
-        return none8
+        return (None,) * 9
     cd = x.dtype
     s = opts.scaling
     exact = opts.exact_norm_grad
@@ -173,6 +195,16 @@ def _bwd(opts: Options, packed, dy):
         dy_g, col = kernels.scale_reduce(dy, saved, g, config=opts.config, interpret=opts.interpret)
     else:
         dy_g, col = xla_ops.scale_reduce(dy, saved, g)
+    # The adapter's input and the cotangent of its base product: (x, dy_g), or with dropout
+    # (x_d, dy_g1); the base product of x itself then takes plain dy.
+    dropout = x_d is not None
+    x_in = x_d if dropout else x
+    if dropout:
+        g1 = _gain_minus_one(magnitude, n)
+        dy_k = (dy.astype(_F32) * g1[None, :]).astype(cd)
+    else:
+        dy_k = dy_g
+    need_dx_in = pxd if dropout else px
 
     need_p = pb or exact or (pm and not saved_is_inner)
     p = lax.dot_general(h, dy, _CONTRACT_0, preferred_element_type=_F32) if need_p else None
@@ -181,21 +213,31 @@ def _bwd(opts: Options, packed, dy):
     if pm or exact:
         inner_dot = col if saved_is_inner else col + s * jnp.sum(b_c.astype(_F32) * p, axis=0)
 
-    dx = dk = da = db = dm = dbias = None
+    dx = dx_d = dk = da = db = dm = dbias = None
     if pm:
         dm = (inner_dot / n_safe).astype(magnitude.dtype)
     if pbias:
         dbias = jnp.sum(dy.astype(_F32), axis=0).astype(bias.dtype)
     if pb or exact:
         db = s * p * g[None, :]
-    if pa or px:
+    if pa or need_dx_in:
         q = (s * lax.dot_general(dy_g, b_c, _CONTRACT_1, preferred_element_type=_F32)).astype(cd)
         if pa:
-            da = lax.dot_general(x, q, _CONTRACT_0, preferred_element_type=_F32)
-        if px:
-            dx = lax.dot_general(dy_g, kernel, _CONTRACT_1) + lax.dot_general(q, a_c, _CONTRACT_1)
+            da = lax.dot_general(x_in, q, _CONTRACT_0, preferred_element_type=_F32)
+        if need_dx_in:
+            dx_in = lax.dot_general(dy_k, kernel, _CONTRACT_1) + lax.dot_general(
+                q, a_c, _CONTRACT_1
+            )
+            if dropout:
+                dx_d = dx_in
+            else:
+                dx = dx_in
+    if dropout and px:
+        dx = lax.dot_general(dy, kernel, _CONTRACT_1)
     if pk:
-        dk = lax.dot_general(x, dy_g, _CONTRACT_0, preferred_element_type=_F32)
+        dk = lax.dot_general(x_in, dy_k, _CONTRACT_0, preferred_element_type=_F32)
+        if dropout:
+            dk = dk + lax.dot_general(x, dy, _CONTRACT_0, preferred_element_type=_F32)
 
     if exact:
         dn = -(magnitude.astype(_F32) / (n_safe * n_safe)) * inner_dot
@@ -223,6 +265,7 @@ def _bwd(opts: Options, packed, dy):
 
     return (
         cast(dx, x, px),
+        cast(dx_d, x, pxd),
         cast(dk, kernel, pk),
         cast(da, lora_a, pa),
         cast(db, lora_b, pb),

@@ -11,16 +11,30 @@ import jax.numpy as jnp
 _F32 = jnp.float32
 
 
-def compose(base, h, lora_b, g, bias=None, *, scaling: float, precision=None):
+def compose(base, h, lora_b, g, bias=None, *, scaling: float, precision=None, dropout=None):
     """``g ⊙ (base + s·h·lora_b) + bias``; returns (y, inner).
 
     inner = base + s·h·lora_b [T, N] is rounded to the activation dtype (XLA folds the add into
     the LoRA GEMM); the scale by g and the bias run in f32 and round once. The backward saves
     ``inner``: its buffer replaces base's, so the forward holds one [T, N] temporary, as LoRA.
+
+    With adapter dropout (PEFT's form, DESIGN §1), ``dropout = (base_d, g1)`` with
+    base_d = x_d·K and g1 = (m − n)/n in f32 (never g − 1 in the activation dtype), and h = x_d·a:
+
+        y = base + g1 ⊙ base_d + g ⊙ s·h·lora_b + bias,   inner = base_d + s·h·lora_b
     """
     lora = jnp.dot(h, lora_b, precision=precision)
-    inner = base + (scaling * lora).astype(base.dtype)
-    y = g[None, :] * inner.astype(_F32)
+    if dropout is None:
+        inner = base + (scaling * lora).astype(base.dtype)
+        y = g[None, :] * inner.astype(_F32)
+    else:
+        base_d, g1 = dropout
+        inner = base_d + (scaling * lora).astype(base.dtype)
+        y = (
+            base.astype(_F32)
+            + g1[None, :] * base_d.astype(_F32)
+            + (scaling * g)[None, :] * lora.astype(_F32)
+        )
     if bias is not None:
         y = y + bias.astype(_F32)[None, :]
     return y.astype(base.dtype), inner
