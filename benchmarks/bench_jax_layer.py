@@ -36,7 +36,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 import jax
 import jax.numpy as jnp
 
-from benchmarks.measure import write_csv
+from benchmarks.measure import error_text, write_csv
 from dora_jax.baselines import lora_dense, naive_dora_dense
 from dora_jax.functional import dora_dense, resolved_impls
 from dora_jax.norm import base_sq_norm, factored_norm
@@ -207,7 +207,7 @@ def _measure(shape, rows):
                     row["time_s"] = time.perf_counter() - t0
                 except Exception as e:  # one failing provider must not stop the others
                     traceback.print_exc()
-                    row["error"] = f"{type(e).__name__}: {e}"[:300]
+                    row["error"] = error_text(e)
                 del compiled, jitted, arg_sets
                 print(
                     f"[{BENCH}] {name} {prov} {kind}: ms={row['ms']} temp={row['temp_mib']} "

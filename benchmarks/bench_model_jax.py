@@ -27,7 +27,7 @@ import os
 import pathlib
 import traceback
 
-from benchmarks.measure import write_csv
+from benchmarks.measure import error_text, log_row, write_csv
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # share the GPU with torch
 
@@ -248,17 +248,12 @@ def run(out_dir: pathlib.Path) -> list[dict]:
             by_name[name] = row
         except Exception as e:  # one failing provider must not end the others
             traceback.print_exc()
-            row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+            row["error"] = error_text(e)
         finally:
             model = None
             jax.clear_caches()
         rows.append(row)
-        print(
-            f"[model_jax] {name}: "
-            + ", ".join(f"{k}={v:.4g}" for k, v in row.items() if isinstance(v, float))
-            + (f" ERROR {row['error']}" if row["error"] else ""),
-            flush=True,
-        )
+        log_row("model_jax", name, row)
 
     out_dir = pathlib.Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -32,7 +32,7 @@ import os
 import pathlib
 import traceback
 
-from benchmarks.measure import write_csv
+from benchmarks.measure import error_text, log_row, write_csv
 
 HIDDEN, INTERMEDIATE, HEADS, KV_HEADS, VOCAB = 4096, 14336, 32, 8, 128256
 SEQ, BATCH, RANK, ALPHA = 2048, 1, 384, 768
@@ -255,19 +255,14 @@ def run(out_dir: pathlib.Path) -> list[dict]:
             by_name[name] = row
         except Exception as e:  # one failing provider must not end the others
             traceback.print_exc()
-            row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+            row["error"] = error_text(e)
         finally:
             if model is not None:
                 _unwrap(model, base, originals)
             del model
             free_cuda()
         rows.append(row)
-        print(
-            f"[model_torch] {name}: "
-            + ", ".join(f"{k}={v:.4g}" for k, v in row.items() if isinstance(v, float))
-            + (f" ERROR {row['error']}" if row["error"] else ""),
-            flush=True,
-        )
+        log_row("model_torch", name, row)
 
     out_dir = pathlib.Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -22,7 +22,7 @@ import math
 import os
 import pathlib
 
-from benchmarks.measure import write_csv
+from benchmarks.measure import error_text, write_csv
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # share the GPU with torch
 
@@ -35,6 +35,12 @@ TORCH_PROVIDERS = ("dense", "peft", "factored", "factored_cold")
 # The headline: layer 8192 → 28672 (d_in = 8192, d_out = 28672), r = 384, as in issue 3.
 HEADLINE = (28672, 8192, 384)
 MIN_MEMORY_RATIO = 20.0  # PEFT's norm transient / ours, at the headline shape
+
+
+def _row(backend, dtype, d_out, d_in, r, provider) -> dict:
+    """A result row before measuring (NaN time, -1 bytes: what a failed measurement leaves)."""
+    return dict(backend=backend, dtype=dtype, d_out=d_out, d_in=d_in, r=r, provider=provider,
+                ms=float("nan"), transient_bytes=-1, error="")  # fmt: skip
 
 
 def _torch_inputs(d_out, d_in, r, dtype, scaling):
@@ -87,24 +93,14 @@ def _bench_torch(rows):
                 scaling = 2.0  # alpha = 2r
                 W, A, B = _torch_inputs(d_out, d_in, r, dtype, scaling)
                 for name in TORCH_PROVIDERS:
-                    row = dict(
-                        backend="torch",
-                        dtype=dtype_name,
-                        d_out=d_out,
-                        d_in=d_in,
-                        r=r,
-                        provider=name,
-                        ms=float("nan"),
-                        transient_bytes=-1,
-                        error="",
-                    )
+                    row = _row("torch", dtype_name, d_out, d_in, r, name)
                     try:
                         with torch.no_grad():
                             fn = _torch_provider(name, W, A, B, scaling)
                             row["transient_bytes"] = cuda_peak_bytes(fn)
                             row["ms"] = cuda_time_ms(fn, warmup=3, iters=10)
                     except torch.cuda.OutOfMemoryError as e:
-                        row["error"] = f"OOM: {str(e).splitlines()[0]}"
+                        row["error"] = error_text(e)
                     rows.append(row)
                     free_cuda()
                 del W, A, B
@@ -138,24 +134,14 @@ def _bench_jax(rows):
                     ),
                 }
                 for name, fn in fns.items():
-                    row = dict(
-                        backend="jax",
-                        dtype=dtype_name,
-                        d_out=d_out,
-                        d_in=d_in,
-                        r=r,
-                        provider=name,
-                        ms=float("nan"),
-                        transient_bytes=-1,
-                        error="",
-                    )
+                    row = _row("jax", dtype_name, d_out, d_in, r, name)
                     try:
                         args = (kernel, a, b, base_sq)
                         temp = jax_temp_bytes(fn, *args)
                         row["transient_bytes"] = -1 if temp is None else temp
                         row["ms"] = jax_time_ms(lambda fn=fn, args=args: fn(*args))
                     except Exception as e:  # one failing JAX config must not end the torch rows
-                        row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+                        row["error"] = error_text(e)
                     rows.append(row)
                 del kernel, a, b, base_sq
 

@@ -41,7 +41,7 @@ import traceback
 import torch
 from torch import nn
 
-from benchmarks.measure import cuda_peak_bytes, write_csv
+from benchmarks.measure import cuda_peak_bytes, error_text, write_csv
 
 BENCH = "torch_layer"
 SHAPES = [  # (d_in, d_out, r, tokens)
@@ -401,7 +401,7 @@ def run(out_dir: pathlib.Path) -> list[dict]:
                     row.update(_measure(provider, d_in, d_out, r, T, mode))
                 except Exception as e:  # one provider must not kill the others
                     traceback.print_exc()
-                    row["error"] = f"{type(e).__name__}: {e}"[:300]
+                    row["error"] = error_text(e)
                 rows.append(row)
                 print(f"[{BENCH}] {row}", flush=True)
                 gc.collect()
@@ -419,7 +419,7 @@ def run(out_dir: pathlib.Path) -> list[dict]:
             extra.update({f"{name}.{k}": v for k, v in fn().items()})
         except Exception as e:
             traceback.print_exc()
-            extra[f"{name}.error"] = f"{type(e).__name__}: {e}"[:300]
+            extra[f"{name}.error"] = error_text(e)
         gc.collect()
         torch.cuda.empty_cache()
     write_csv(

@@ -108,3 +108,16 @@ def write_csv(path, rows: list[dict], fields: list[str] | None = None) -> pathli
         w.writeheader()
         w.writerows(rows)
     return path
+
+
+def error_text(e: BaseException) -> str:
+    """A failed measurement's CSV cell: the exception type and its first line, truncated."""
+    first = str(e).splitlines()[0] if str(e) else ""
+    return f"{type(e).__name__}: {first}"[:300]
+
+
+def log_row(bench: str, name: str, row: dict) -> None:
+    """One provider's floats (and error, if any) on one line of the run log."""
+    floats = ", ".join(f"{k}={v:.4g}" for k, v in row.items() if isinstance(v, float))
+    error = f" ERROR {row['error']}" if row.get("error") else ""
+    print(f"[{bench}] {name}: {floats}{error}", flush=True)
