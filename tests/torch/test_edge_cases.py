@@ -103,8 +103,9 @@ def test_compose_is_stable_near_unity_g():
 
 @pytest.mark.parametrize(
     "T, d_in, d_out, r, zeros",
-    [(6, 30, 18, 3, [0, 7, 17]), (40, 50, 70, 20, [1, 69])],  # 2nd: several blocks each way
-    ids=["small", "blocks"],
+    # "blocks": several blocks each way; "r1_t1": one token, rank 1 (below tl.dot's 16)
+    [(6, 30, 18, 3, [0, 7, 17]), (40, 50, 70, 20, [1, 69]), (1, 17, 33, 1, [0, 32])],
+    ids=["small", "blocks", "r1_t1"],
 )
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
 @pytest.mark.parametrize("impl", IMPLS)
