@@ -1,63 +1,79 @@
-"""Model level (the paper's headline): a Llama-8B-shaped model with DoRA/LoRA on all projections.
+"""Model level: the training step users run, on a Llama-8B-shaped model, eager and compiled.
 
-Model: hidden 4096, intermediate 14336, 32 heads, 8 KV heads, vocab 128256, random bf16
-weights, FEWER LAYERS than Llama-3-8B's 32 to fit the time budget (default 8, env
-``DORA_BENCH_TORCH_LAYERS``). Adapters: r = 384, alpha = 768, on q/k/v/o/gate/up/down.
-Input: batch 1, seq 2048, random token ids; the full LM head runs in every provider.
+Model: hidden 4096, intermediate 14336, 32 heads, 8 KV heads, vocab 32000, random bf16
+weights, FEWER LAYERS than Llama-3-8B's 32 (default 8). DoRA/LoRA on all seven projections,
+``lora_alpha = 2r``, dropout 0. Input: random token ids, seq 2048, batch 1 (host-bound) or 4
+(GPU-bound).
 
 Providers (the base model is built once and re-wrapped for each, then unwrapped):
   - ``peft_lora_fp32`` / ``peft_lora_bf16``: PEFT LoRA, adapters fp32 (PEFT's default,
     ``autocast_adapter_dtype=True``) / bf16 (``autocast_adapter_dtype=False``);
-  - ``peft_dora_fp32`` / ``peft_dora_bf16``: PEFT DoRA, same two settings;
+  - ``peft_dora_fp32`` / ``peft_dora_bf16``: PEFT DoRA, the same two settings;
   - ``ours_fp32`` / ``ours_bf16``: the PEFT DoRA model of that setting run through
-    ``dora_torch.interop.accelerate_peft`` (fp32 or bf16 adapter *parameters*; either way the
-    adapter products run in bf16 with fp32 accumulation, the norm and composition in fp32).
+    ``dora_torch.accelerate_peft``.
 
-Metrics (median of 10 CUDA-event-timed calls after 3 warm-up calls):
-  - ``inference_ms``: no-grad forward, eval mode. Ours reuses the norm while the adapters are
-    unchanged (as any inference with frozen adapters would); PEFT recomputes it (its DoRA cache
-    is off by default). ``inference_cold_ms``: the same with the adapters touched in place
-    before every call (version counters bumped), so the norm is recomputed each time.
-  - ``grad_ms``: forward + backward of the LM loss (optimizer excluded); before every call the
-    grads are cleared and the adapters touched in place, as an optimizer step would.
-  - ``*_peak_gib``: peak allocated during one call over what was resident before it (weights,
-    adapters): "peak over weights".
+Modes: ``eager``, ``compile`` (``torch.compile(model)``) and ``reduce-overhead``
+(``torch.compile(model, mode="reduce-overhead")``, CUDA graphs). The optimizer step stays
+eager in every mode (as in ``transformers.Trainer``).
 
-    DORA_BENCH_TORCH_LAYERS=8 python3 -m benchmarks.run --only model_torch --skip-tests
+Metrics, medians of CUDA-event-timed calls after warm-up:
+  - ``train_ms``: one training step ``zero_grad → forward (LM loss) → backward →
+    AdamW.step()``; ``optim`` says which AdamW (``foreach`` or ``fused``).
+  - ``infer_ms``: a no-grad forward in eval mode (adapters unchanged between calls);
+    ``infer_dora_cached_ms``: PEFT DoRA inside ``peft.helpers.DoraCaching`` (PEFT's own norm
+    cache), so PEFT is compared cached against cached.
+  - ``train_peak_gib``: peak allocated during one step over what was allocated before it
+    (weights, adapters, optimizer state).
+
+    python3 -m benchmarks.bench_model_torch --ranks 16 384 --batches 1 --modes eager compile
+    python3 -m benchmarks.run --only model_torch --skip-tests      # the env defaults below
+
+Environment defaults for ``benchmarks.run``: ``DORA_BENCH_LAYERS`` (8), ``DORA_BENCH_RANKS``
+("16,384"), ``DORA_BENCH_BATCHES`` ("1,4"), ``DORA_BENCH_MODES``
+("eager,compile,reduce-overhead"), ``DORA_BENCH_OPTIMS`` ("foreach,fused"),
+``DORA_BENCH_PROVIDERS`` (all).
 """
 
 from __future__ import annotations
 
+import argparse
+import cProfile
 import os
 import pathlib
+import pstats
+import statistics
+import subprocess
+import time
 import traceback
+from datetime import UTC, datetime
 
-from benchmarks.measure import error_text, log_row, write_csv
+from benchmarks.measure import error_text, free_cuda, write_csv
 
-HIDDEN, INTERMEDIATE, HEADS, KV_HEADS, VOCAB = 4096, 14336, 32, 8, 128256
-SEQ, BATCH, RANK, ALPHA = 2048, 1, 384, 768
+HIDDEN, INTERMEDIATE, HEADS, KV_HEADS, VOCAB, SEQ = 4096, 14336, 32, 8, 32000, 2048
 TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
-# name → (label, use_dora, autocast_adapter_dtype, accelerate with ours)
+# name → (use_dora, autocast_adapter_dtype, accelerate with ours)
 PROVIDERS = {
-    "peft_lora_fp32": ("PEFT LoRA, fp32 adapters (PEFT default)", False, True, False),
-    "peft_lora_bf16": ("PEFT LoRA, bf16 adapters", False, False, False),
-    "peft_dora_fp32": ("PEFT DoRA, fp32 adapters (PEFT default)", True, True, False),
-    "peft_dora_bf16": ("PEFT DoRA, bf16 adapters", True, False, False),
-    "ours_fp32": ("ours (accelerate_peft), fp32 adapter params", True, True, True),
-    "ours_bf16": ("ours (accelerate_peft), bf16 adapter params", True, False, True),
+    "peft_lora_fp32": (False, True, False),
+    "peft_lora_bf16": (False, False, False),
+    "peft_dora_fp32": (True, True, False),
+    "peft_dora_bf16": (True, False, False),
+    "ours_fp32": (True, True, True),
+    "ours_bf16": (True, False, True),
 }
-TARGETS = {  # issue 6, same run, against the bf16-adapter PEFT settings
-    "time_vs_lora_bf16": 1.10,
-    "inference_speedup_vs_dora_bf16": 2.0,
-    "grad_speedup_vs_dora_bf16": 1.6,
-    "memory_vs_lora_bf16": 1.05,
-}
+MODES = ("eager", "compile", "reduce-overhead")
+OPTIMS = ("foreach", "fused")
+WARMUP = {"eager": 3, "compile": 4, "reduce-overhead": 6}
+ITERS = 10
 GIB = 2.0**30
+FIELDS = [
+    "provider", "mode", "optim", "rank", "batch", "layers", "train_ms", "infer_ms",
+    "infer_dora_cached_ms", "train_peak_gib", "error",
+]  # fmt: skip
 
 
-def layers() -> int:
-    return int(os.environ.get("DORA_BENCH_TORCH_LAYERS", "8"))
+def _env_list(name: str, default: str) -> list[str]:
+    return [v for v in os.environ.get(name, default).split(",") if v]
 
 
 def build_base(n_layers: int):
@@ -86,26 +102,22 @@ def build_base(n_layers: int):
     return model.eval().requires_grad_(False)
 
 
-def _targets(base) -> dict[str, object]:
-    return {n: m for n, m in base.named_modules() if n.rsplit(".", 1)[-1] in TARGET_MODULES}
-
-
-def _wrap(base, name: str):
+def _wrap(base, name: str, rank: int):
     from peft import LoraConfig, get_peft_model
 
-    _, use_dora, autocast, ours = PROVIDERS[name]
+    use_dora, autocast, ours = PROVIDERS[name]
     config = LoraConfig(
-        r=RANK,
-        lora_alpha=ALPHA,
+        r=rank,
+        lora_alpha=2 * rank,
         use_dora=use_dora,
         lora_dropout=0.0,
         target_modules=list(TARGET_MODULES),
     )
     model = get_peft_model(base, config, autocast_adapter_dtype=autocast)
     if ours:
-        from dora_torch.interop import accelerate_peft
+        import dora_torch
 
-        accelerate_peft(model)
+        dora_torch.accelerate_peft(model)
     return model
 
 
@@ -119,164 +131,327 @@ def _unwrap(peft_model, base, originals) -> None:
             setattr(base.get_submodule(parent), attr, module)
 
 
-def _measure(model, ids) -> dict:
+def _timed(fn, *, warmup: int, before=None) -> float:
     import torch
 
-    from .measure import cuda_peak_bytes, cuda_time_ms
+    times = []
+    for i in range(warmup + ITERS):
+        if before is not None:
+            before()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        if i >= warmup:
+            times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def _runner(model, mode: str):
+    import torch
+
+    if mode == "eager":
+        return model
+    return torch.compile(model, mode=None if mode == "compile" else mode)
+
+
+def _mark_step(mode: str) -> None:
+    import torch
+
+    if mode == "reduce-overhead":
+        torch.compiler.cudagraph_mark_step_begin()
+
+
+def measure_train(model, run, ids, mode: str, optim: str) -> dict:
+    """Median time and peak memory of zero_grad → forward → backward → AdamW.step()."""
+    import torch
 
     params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-6, foreach=optim == "foreach", fused=optim == "fused")
+    model.train()
 
-    def touch():  # what an optimizer step does to the adapters: new values, new versions
-        with torch.no_grad():
-            for p in params:
-                p.mul_(1.0)
+    def step():
+        _mark_step(mode)
+        opt.zero_grad(set_to_none=True)
+        loss = run(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
 
-    def clear_and_touch():
-        for p in params:
-            p.grad = None
-        touch()
+    try:
+        ms = _timed(step, warmup=WARMUP[mode])
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        step()
+        torch.cuda.synchronize()
+        peak = (torch.cuda.max_memory_allocated() - before) / GIB
+    finally:
+        opt.zero_grad(set_to_none=True)
+    return {"train_ms": ms, "train_peak_gib": peak}
+
+
+def measure_infer(model, run, ids, mode: str, *, dora_caching: bool = False) -> float:
+    import torch
+
+    model.eval()
 
     def infer():
+        _mark_step(mode)
         with torch.no_grad():
-            return model(input_ids=ids).logits
+            return run(input_ids=ids).logits
 
-    def grad_step():
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        return loss
+    if not dora_caching:
+        return _timed(infer, warmup=WARMUP[mode])
+    from peft.helpers import DoraCaching
 
-    res = {}
-    model.eval()
-    res["inference_peak_gib"] = cuda_peak_bytes(infer) / GIB
-    res["inference_ms"] = cuda_time_ms(infer)
-    res["inference_cold_ms"] = cuda_time_ms(infer, before=touch)
+    with DoraCaching():
+        return _timed(infer, warmup=WARMUP[mode])
+
+
+def profile_train(model, ids, path: pathlib.Path, optim: str = "foreach") -> None:
+    """torch.profiler tables (device and host time per op) of 3 eager training steps."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-6, foreach=optim == "foreach", fused=optim == "fused")
     model.train()
-    res["grad_peak_gib"] = cuda_peak_bytes(grad_step, before=clear_and_touch) / GIB
-    res["grad_ms"] = cuda_time_ms(grad_step, before=clear_and_touch)
-    for p in params:
-        p.grad = None
-    return res
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            step()
+        torch.cuda.synchronize()
+    ka = prof.key_averages()
+    with path.open("w") as f:
+        f.write(ka.table(sort_by="self_cuda_time_total", row_limit=30))
+        f.write("\n")
+        f.write(ka.table(sort_by="self_cpu_time_total", row_limit=40))
+        # Python-level host time (what the op table above cannot attribute).
+        profiler = cProfile.Profile()
+        profiler.enable()
+        for _ in range(3):
+            step()
+        torch.cuda.synchronize()
+        profiler.disable()
+        stats = pstats.Stats(profiler, stream=f)
+        stats.sort_stats("tottime").print_stats(45)
+        stats.sort_stats("cumulative").print_stats(45)
+    opt.zero_grad(set_to_none=True)
 
 
-def _ratio(rows, num, den, key):
-    a, b = rows.get(num, {}).get(key), rows.get(den, {}).get(key)
-    return None if a is None or b is None or b == 0 else a / b
+def _meta() -> dict:
+    import torch
+
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        commit = ""
+    return {
+        "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "commit": commit or os.environ.get("DORA_COMMIT", ""),
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+    }
 
 
-def _summary(by_name: dict[str, dict], n_layers: int) -> list[dict]:
-    tag = f"{n_layers}L"
+def bench(
+    out_dir: pathlib.Path,
+    *,
+    layers: int,
+    ranks: list[int],
+    batches: list[int],
+    modes: list[str],
+    optims: list[str],
+    providers: list[str],
+    profile: list[str] = (),
+) -> list[dict]:
+    import torch
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("bench_model_torch needs a CUDA GPU")
+    out_dir = pathlib.Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    meta = _meta()
+    print(f"[model_torch] {meta}; {layers} layers, ranks {ranks}, batches {batches}", flush=True)
+    base = build_base(layers)
+    originals = {n: m for n, m in base.named_modules() if n.rsplit(".", 1)[-1] in TARGET_MODULES}
+    rows = []
+    for rank in ranks:
+        for batch in batches:
+            ids = torch.randint(0, VOCAB, (batch, SEQ), device="cuda")
+            for name in providers:
+                model = None
+                try:
+                    torch.manual_seed(0)
+                    model = _wrap(base, name, rank)
+                    if name in profile:
+                        path = out_dir / f"profile_{name}_r{rank}_b{batch}.txt"
+                        profile_train(model, ids, path)
+                    for mode in modes:
+                        torch._dynamo.reset()
+                        run = _runner(model, mode)
+                        t0 = time.time()
+                        infer = {"error": ""}
+                        try:
+                            infer["infer_ms"] = measure_infer(model, run, ids, mode)
+                            if name.startswith("peft_dora"):
+                                infer["infer_dora_cached_ms"] = measure_infer(
+                                    model, run, ids, mode, dora_caching=True
+                                )
+                        except Exception as e:
+                            traceback.print_exc()
+                            infer["error"] = error_text(e)
+                        for optim in optims:
+                            row = dict(
+                                meta, provider=name, mode=mode, optim=optim, rank=rank,
+                                batch=batch, layers=layers, **infer,
+                            )  # fmt: skip
+                            try:
+                                row.update(measure_train(model, run, ids, mode, optim))
+                            except Exception as e:
+                                traceback.print_exc()
+                                row["error"] = (row["error"] + " | " + error_text(e)).strip(" |")
+                            rows.append(row)
+                            print(
+                                f"[model_torch] {_fmt(row)} ({time.time() - t0:.0f}s)", flush=True
+                            )
+                        del run
+                except Exception as e:  # one failing provider must not end the others
+                    traceback.print_exc()
+                    rows.append(
+                        dict(meta, provider=name, rank=rank, batch=batch, error=error_text(e))
+                    )
+                finally:
+                    if model is not None:
+                        _unwrap(model, base, originals)
+                    del model
+                    torch._dynamo.reset()
+                    free_cuda()
+                write_csv(out_dir / "model_torch.csv", rows, [*meta, *FIELDS])
+    _plot(out_dir / "model_torch.png", rows)
+    return _summary(rows)
+
+
+def _fmt(row: dict) -> str:
+    keys = ("provider", "mode", "optim", "rank", "batch")
+    head = " ".join(str(row.get(k)) for k in keys)
+    vals = ", ".join(f"{k}={row[k]:.4g}" for k in FIELDS if isinstance(row.get(k), float))
+    return f"{head}: {vals}" + (f" ERROR {row['error']}" if row.get("error") else "")
+
+
+def _plot(path: pathlib.Path, rows: list[dict]) -> None:
+    """One bar panel per (rank, batch): train_ms of each provider, grouped by mode."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    ok = [r for r in rows if isinstance(r.get("train_ms"), float) and r.get("optim") == "foreach"]
+    panels = sorted({(r["rank"], r["batch"]) for r in ok})
+    if not panels:
+        return
+    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4), squeeze=False)
+    for ax, (rank, batch) in zip(axes[0], panels):
+        sel = [r for r in ok if (r["rank"], r["batch"]) == (rank, batch)]
+        modes = [m for m in MODES if any(r["mode"] == m for r in sel)]
+        names = [p for p in PROVIDERS if any(r["provider"] == p for r in sel)]
+        width = 0.8 / max(len(names), 1)
+        for i, name in enumerate(names):
+            vals = [
+                next((r["train_ms"] for r in sel if r["provider"] == name and r["mode"] == m), 0)
+                for m in modes
+            ]
+            ax.bar([j + i * width for j in range(len(modes))], vals, width, label=name)
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(modes))], modes)
+        ax.set(title=f"r={rank}, batch {batch}x{SEQ}", ylabel="training step, ms (AdamW foreach)")
+        ax.grid(axis="y", alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _summary(rows: list[dict]) -> list[dict]:
+    """Ratios within this run: ours against PEFT LoRA and PEFT DoRA of the same setting."""
     out = []
-
-    def add(metric, value, target=None, ok_if=None):
-        if value is None:
-            return
-        row = dict(bench="model_torch", metric=f"{metric} [{tag}]", value=value)
-        if target is not None:
-            row.update(target=target, ok=ok_if(value))
-        out.append(row)
-
-    t = TARGETS
-    for ours in ("ours_bf16", "ours_fp32"):
-        for key, what in (("inference_ms", "inference"), ("grad_ms", "grad step")):
-            add(
-                f"{ours} / PEFT LoRA bf16-adapters, {what} time",
-                _ratio(by_name, ours, "peft_lora_bf16", key),
-                f"<= {t['time_vs_lora_bf16']}",
-                lambda v: v <= t["time_vs_lora_bf16"],
-            )
-        add(
-            f"speedup PEFT DoRA bf16-adapters / {ours}, inference",
-            _ratio(by_name, "peft_dora_bf16", ours, "inference_ms"),
-            f">= {t['inference_speedup_vs_dora_bf16']}",
-            lambda v: v >= t["inference_speedup_vs_dora_bf16"],
-        )
-        add(
-            f"speedup PEFT DoRA bf16-adapters / {ours}, grad step",
-            _ratio(by_name, "peft_dora_bf16", ours, "grad_ms"),
-            f">= {t['grad_speedup_vs_dora_bf16']}",
-            lambda v: v >= t["grad_speedup_vs_dora_bf16"],
-        )
-        add(
-            f"{ours} / PEFT LoRA bf16-adapters, grad peak memory",
-            _ratio(by_name, ours, "peft_lora_bf16", "grad_peak_gib"),
-            f"<= {t['memory_vs_lora_bf16']}",
-            lambda v: v <= t["memory_vs_lora_bf16"],
-        )
-    # Against PEFT's defaults (fp32 adapters): labelled, no target.
-    for key, what in (("inference_ms", "inference"), ("grad_ms", "grad step")):
-        add(
-            f"speedup PEFT DoRA default(fp32 adapters) / ours_fp32, {what}",
-            _ratio(by_name, "peft_dora_fp32", "ours_fp32", key),
-        )
-        add(
-            f"ours_fp32 / PEFT LoRA default(fp32 adapters), {what} time",
-            _ratio(by_name, "ours_fp32", "peft_lora_fp32", key),
-        )
-    add(
-        "ours_fp32 / PEFT LoRA default(fp32 adapters), grad peak memory",
-        _ratio(by_name, "ours_fp32", "peft_lora_fp32", "grad_peak_gib"),
-    )
-    warm_cold = by_name.get("ours_bf16", {})
-    if "inference_cold_ms" in warm_cold:
-        add(
-            "ours_bf16 inference, norm recomputed every call / reused (cold/warm)",
-            warm_cold["inference_cold_ms"] / warm_cold["inference_ms"],
-        )
+    index = {
+        (r["provider"], r.get("mode"), r.get("optim"), r["rank"], r["batch"]): r
+        for r in rows
+        if isinstance(r.get("train_ms"), float)
+    }
+    for (prov, mode, optim, rank, batch), r in index.items():
+        if not prov.startswith("ours"):
+            continue
+        setting = prov.split("_")[1]
+        tag = f"r={rank} b={batch} {mode} {optim} {setting}-adapters"
+        lora = index.get((f"peft_lora_{setting}", mode, optim, rank, batch))
+        dora = index.get((f"peft_dora_{setting}", mode, optim, rank, batch))
+        if lora:
+            out.append(
+                dict(bench="model_torch", metric=f"ours/LoRA train [{tag}]",
+                     value=r["train_ms"] / lora["train_ms"])
+            )  # fmt: skip
+        if dora:
+            out.append(
+                dict(bench="model_torch", metric=f"DoRA/ours train [{tag}]",
+                     value=dora["train_ms"] / r["train_ms"])
+            )  # fmt: skip
     return out
 
 
 def run(out_dir: pathlib.Path) -> list[dict]:
-    import torch
-
-    from .measure import free_cuda
-
-    if not torch.cuda.is_available():
-        raise RuntimeError("bench_model_torch needs a CUDA GPU")
-    n_layers = layers()
-    print(f"[model_torch] Llama-8B shapes with {n_layers} layers (of 32), r={RANK}, seq {SEQ}")
-    base = build_base(n_layers)
-    weights_gib = torch.cuda.memory_allocated() / GIB
-    ids = torch.randint(
-        0,
-        VOCAB,
-        (BATCH, SEQ),
-        device="cuda",
-        generator=torch.Generator(device="cuda").manual_seed(0),
+    """``benchmarks.run`` entry point: the configuration from the environment."""
+    return bench(
+        out_dir,
+        layers=int(os.environ.get("DORA_BENCH_LAYERS", "8")),
+        ranks=[int(v) for v in _env_list("DORA_BENCH_RANKS", "16,384")],
+        batches=[int(v) for v in _env_list("DORA_BENCH_BATCHES", "1,4")],
+        modes=_env_list("DORA_BENCH_MODES", ",".join(MODES)),
+        optims=_env_list("DORA_BENCH_OPTIMS", ",".join(OPTIMS)),
+        providers=_env_list("DORA_BENCH_PROVIDERS", ",".join(PROVIDERS)),
     )
-    originals = _targets(base)
-    rows, by_name = [], {}
-    for name, (label, *_rest) in PROVIDERS.items():
-        row = dict(provider=name, label=label, layers=n_layers, weights_gib=weights_gib, error="")
-        model = None
-        try:
-            torch.manual_seed(0)
-            model = _wrap(base, name)
-            row.update(_measure(model, ids))
-            by_name[name] = row
-        except Exception as e:  # one failing provider must not end the others
-            traceback.print_exc()
-            row["error"] = error_text(e)
-        finally:
-            if model is not None:
-                _unwrap(model, base, originals)
-            del model
-            free_cuda()
-        rows.append(row)
-        log_row("model_torch", name, row)
 
-    out_dir = pathlib.Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    fields = [
-        "provider",
-        "label",
-        "layers",
-        "weights_gib",
-        "inference_ms",
-        "inference_cold_ms",
-        "grad_ms",
-        "inference_peak_gib",
-        "grad_peak_gib",
-        "error",
-    ]
-    write_csv(out_dir / "model_torch.csv", rows, fields)
-    return _summary(by_name, n_layers)
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--ranks", type=int, nargs="+", default=[16, 384])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 4])
+    ap.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    ap.add_argument("--optims", nargs="+", default=list(OPTIMS), choices=OPTIMS)
+    ap.add_argument("--providers", nargs="+", default=list(PROVIDERS), choices=list(PROVIDERS))
+    ap.add_argument("--profile", nargs="*", default=[], help="providers to profile (eager)")
+    ap.add_argument("--out", default=os.environ.get("OUT", "out") + "/bench")
+    args = ap.parse_args(argv)
+    summary = bench(
+        pathlib.Path(args.out),
+        layers=args.layers,
+        ranks=args.ranks,
+        batches=args.batches,
+        modes=args.modes,
+        optims=args.optims,
+        providers=args.providers,
+        profile=args.profile,
+    )
+    for row in summary:
+        print(f"{row['metric']}: {row['value']:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

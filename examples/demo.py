@@ -67,9 +67,22 @@ class PairResult:
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--device", default="cpu", help="torch device: cpu (default) or cuda")
-    ap.add_argument("--config", default="tiny", choices=list(CONFIGS), help="model/run size")
-    ap.add_argument("--steps", type=int, default=None, help="optimizer steps (config default)")
+    config_steps = ", ".join(f"{name}: {cfg.steps}" for name, cfg in CONFIGS.items())
+    ap.add_argument(
+        "--device", default="cpu", help="torch device, cpu or cuda (default: %(default)s)"
+    )
+    ap.add_argument(
+        "--config",
+        default="tiny",
+        choices=list(CONFIGS),
+        help="model/run size (default: %(default)s)",
+    )
+    ap.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help=f"optimizer steps (default: the config's; {config_steps})",
+    )
     ap.add_argument(
         "--dtype",
         choices=sorted(DTYPES),
@@ -80,11 +93,21 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--ours",
         choices=sorted(OURS),
         default="inject",
-        help="how ours is built: inject dora_torch.Linear, or accelerate_peft",
+        help="how ours is built: inject dora_torch.Linear, or accelerate_peft "
+        "(default: %(default)s)",
     )
-    ap.add_argument("--out", default="out/demo", help="output directory")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--skip-jax", action="store_true", help="skip the dora_jax twin check")
+    ap.add_argument("--out", default="out/demo", help="output directory (default: %(default)s)")
+    ap.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="random seed: base weights, adapters, batches (default: %(default)s)",
+    )
+    ap.add_argument(
+        "--skip-jax",
+        action="store_true",
+        help="skip the dora_jax twin check (default: %(default)s, i.e. run it)",
+    )
     args = ap.parse_args(argv)
     if args.dtype is None:
         args.dtype = "bf16" if torch.device(args.device).type == "cuda" else "fp32"
