@@ -2,7 +2,7 @@
 
 Same shapes as the torch layer benchmark. bf16 activations and kernel; our adapters are f32
 parameters (the library default, cast per call); the baselines run entirely in bf16, as
-measured in DESIGN §5, so no win comes from lower precision. Ours gets ‖K‖² precomputed
+measured in docs/design.md §5, so no win comes from lower precision. Ours gets ‖K‖² precomputed
 (``base_sq``: the kernel is frozen, and ``DoraDense.cache_base_sq`` / the torch layer cache it
 the same way; runs up to 7 recomputed it in every call). Forward = y; grad = y and the
 VJP w.r.t. x and the adapter (x, a, b[, m]) with a fixed random cotangent. Times are medians

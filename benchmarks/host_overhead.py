@@ -131,8 +131,10 @@ def main() -> None:
             lambda: factored_norm(W, A, B, 2.0, base_sq=base_sq, impl="fused"),
         )
         run(
-            "ops.forward_impl save=0",
-            lambda: ops.forward_impl(xd, None, W, a16, b16, m, n, None, 2.0, "fused", 0),
+            "ops.forward_core save=0",
+            lambda: ops.forward_core(
+                xd, None, W, a16, b16, m, n, None, ops.LinearOptions(2.0, "fused", ops.SAVE_NONE)
+            ),
         )
         run("LoRA-eq inference", lambda: F.linear(xd, W) + (xd @ a16.t()) @ b16.t())
         layer.eval()
@@ -193,15 +195,13 @@ def main() -> None:
                 None,
                 h,
                 dy,
-                2.0,
-                "fused",
-                True,
-                True,
-                False,
-                False,
-                torch.float32,
-                torch.float32,
-            ),
+                ops.LinearOptions(2.0, "fused", ops.SAVE_RECOVER),
+                need_dx=True,
+                need_dn=False,
+                need_dbias=False,
+                dA_dtype=A.dtype,
+                dB_dtype=B.dtype,
+            ),  # fmt: skip,
         )
     dyt = dy.t()
     run("mm bf16", lambda: torch.mm(dyt, h))

@@ -7,6 +7,9 @@ magnitude, bias, norm and base_sq [d_out].
 from __future__ import annotations
 
 import math
+import os
+import sys
+import warnings
 
 import jax.numpy as jnp
 import numpy as np
@@ -96,3 +99,50 @@ def check_dropout(rate, rng=None, deterministic=True, *, name: str = "dropout_ra
             "deterministic=False"
         )
     return p
+
+
+def _caller_stacklevel() -> int:
+    """The ``warnings.warn`` stacklevel of the first frame outside dora_jax and flax (the user's
+    line, however deep Flax's module construction machinery is)."""
+    skip = tuple(
+        os.path.dirname(os.path.abspath(m.__file__)) + os.sep
+        for m in (sys.modules[__name__.rsplit(".", 1)[0]], sys.modules["flax"])
+    )
+    level, frame = 1, sys._getframe(1)  # stacklevel 1 is the caller of warnings.warn
+    while frame is not None and (
+        frame.f_code.co_filename == "<string>"  # dataclass-generated __init__ (linen)
+        or os.path.abspath(frame.f_code.co_filename).startswith(skip)
+    ):
+        level, frame = level + 1, frame.f_back
+    return level
+
+
+def renamed_argument(owner: str, new_name: str, new, old_name: str, old):
+    """The value of an argument renamed to PEFT's vocabulary (``rank`` → ``r``, ...).
+
+    ``new``/``old`` are the values passed under each name (None: not passed). The old name still
+    works for one release with a DeprecationWarning naming the new one (attributed to the
+    caller's line); passing both, or neither, is a TypeError (the argument is required).
+    """
+    if old is None:
+        if new is None:
+            raise TypeError(f"{owner} missing required keyword argument {new_name!r}")
+        return new
+    if new is not None:
+        raise TypeError(
+            f"{owner} got both {new_name!r} and its deprecated alias {old_name!r}; "
+            f"pass only {new_name!r}"
+        )
+    warnings.warn(
+        f"{owner}: the keyword {old_name!r} is deprecated; use {new_name!r} (PEFT's name)",
+        DeprecationWarning,
+        stacklevel=_caller_stacklevel(),
+    )
+    return old
+
+
+def check_rank(r) -> int:
+    """The adapter rank r: a positive integer."""
+    if isinstance(r, bool) or int(r) != r or r < 1:
+        raise ValueError(f"r (the adapter rank) must be a positive integer; got {r!r}")
+    return int(r)

@@ -2,7 +2,8 @@
 
 Block sizes are powers of two (Triton needs power-of-two array shapes inside a kernel) and every
 block that feeds a dot is at least 16 wide (``plt.dot`` with a contraction or output dimension
-below 16 is wrong or refused on the GPU, DESIGN §7). Kernels mask edge blocks, so shapes need
+below 16 is wrong or refused on the GPU, docs/design.md §7). Kernels mask edge blocks, so
+shapes need
 not be multiples of the blocks.
 
 ``AUTO_PALLAS`` is the decision table behind ``impl="auto"``: an op runs as Pallas only on the
@@ -66,16 +67,40 @@ class BlockConfig:
 DEFAULT_BLOCKS = BlockConfig()
 
 
-def dot_precision(compute_dtype) -> lax.Precision:
-    """Precision of the small f32 dots (G·b of the norm, h·b in f32 compose).
+def acc_dtype(*dtypes) -> jnp.dtype:
+    """The accumulation / elementwise dtype for arrays of these dtypes: ``promote_types(f32, …)``.
 
-    With f32 activations the caller asked for f32 accuracy: use IEEE f32 (HIGHEST), since GPU
-    dots default to TF32 (~2⁻¹¹ relative error). With bf16/f16 activations TF32 is 16× below
-    the activation rounding, so keep the fast default.
+    f32 for bf16, f16 and f32 inputs; f64 for f64 inputs (only with ``jax_enable_x64``). Every
+    "f32" of the JAX backend (norms, g, the composition, the backward's sums) means this dtype.
     """
-    return (
-        lax.Precision.HIGHEST if jnp.dtype(compute_dtype) == jnp.float32 else lax.Precision.DEFAULT
-    )
+    out = jnp.dtype(jnp.float32)
+    for dt in dtypes:
+        out = jnp.promote_types(out, jnp.dtype(dt))
+    return out
+
+
+def default_adapter_dtype(kernel_dtype) -> jnp.dtype:
+    """PEFT's rule (``autocast_adapter_dtype=True``) for lora_a, lora_b and magnitude: the base
+    kernel's dtype, except float32 over a float16/bfloat16 kernel."""
+    dt = jnp.dtype(kernel_dtype)
+    return jnp.dtype(jnp.float32) if dt in (jnp.float16, jnp.bfloat16) else dt
+
+
+def dot_precision(compute_dtype) -> lax.Precision:
+    """Precision of the small accumulation-dtype dots in the composition (h·b).
+
+    With f32 (or f64) activations the caller asked for full accuracy: use HIGHEST, since GPU
+    f32 dots default to TF32 (~2⁻¹¹ relative error). With bf16/f16 activations TF32 is 16×
+    below the activation rounding, so keep the fast default.
+    """
+    full = jnp.dtype(compute_dtype) in (jnp.float32, jnp.float64)
+    return lax.Precision.HIGHEST if full else lax.Precision.DEFAULT
+
+
+#: Precision of the norm's G·b: lora_b enters the assembly at promote(b.dtype, f32) and is
+#: never rounded down (no TF32 on the GPU), whatever the activation dtype (the adapter
+#: precision rule shared with dora_torch; the [r, r]·[r, d_out] product is small).
+NORM_PRECISION = lax.Precision.HIGHEST
 
 
 # A predicate sees the layer shape (tokens, d_in, d_out, rank) and returns True where Pallas

@@ -7,6 +7,17 @@ Parameters (Flax layout, names and shapes of nnx.Linear for the frozen part):
     lora_a [d_in, r], lora_b [r, d_out],          DoraParam (a subclass of nnx.LoRAParam)
     magnitude [d_out]
 
+Adapter dtype (PEFT's rule): lora_a, lora_b and magnitude take the base kernel's dtype, except
+over a float16/bfloat16 kernel, where they default to float32; ``adapter_dtype`` overrides.
+A float64 kernel (with ``jax_enable_x64``) gives float64 adapters, and the layer then computes
+the norm, g and the composition in float64 (``dora_dense``).
+
+Merging (as ``dora_torch.Linear``): ``merge()`` folds the adapter into the kernel in place
+(K ← g ⊙ (K + s·a·b)); the layer then computes the plain dense product and ``merged`` is True.
+``unmerge()`` restores the kernel with the norm saved at merge time. Both are no-ops when
+repeated. Do not change the adapter between the two. ``to_linear()`` instead returns a new
+``nnx.Linear`` with the merged kernel and leaves this layer untouched.
+
 Caches are explicit ``DoraCache`` variables, filled and cleared only by the methods that name
 them (no hidden global state): ``cache_base_sq()`` stores ||K_:j||² (valid while the kernel is
 unchanged); ``freeze_norm()`` stores the whole column norm for inference with a fixed adapter
@@ -29,11 +40,11 @@ from flax import nnx
 
 from shared_spec.initialization import scaling_for
 
-from .checks import check_dropout
-from .config import DEFAULT_BLOCKS, BlockConfig
+from .checks import check_dropout, check_rank, renamed_argument
+from .config import DEFAULT_BLOCKS, BlockConfig, default_adapter_dtype
 from .functional import dora_dense
 from .initializers import lora_a_init, lora_b_init
-from .merge import merged_kernel
+from .merge import merge_weight, unmerge_weight
 from .norm import base_sq_norm, factored_norm
 
 _ZEROS = nnx.initializers.zeros_init()
@@ -68,23 +79,28 @@ def _adapter_sharding(kernel: nnx.Variable) -> tuple[dict, dict, dict]:
 class DoraDense(nnx.Module):
     """DoRA on a dense layer: ``y = g ⊙ (x·K + s·(x·a)·b) + bias``, g = m / ||K + s·a·b||_col.
 
-    Args:
+    Args (everything after ``out_features`` is keyword-only):
       in_features, out_features: d_in, d_out.
-      rank, alpha, use_rslora: the adapter rank r and scale s = alpha / r (or / sqrt(r)).
-      use_bias, dtype, param_dtype, kernel_init, bias_init, kernel_metadata: as nnx.Linear
-        (the frozen kernel and bias are created exactly as nnx.Linear would with these rngs).
-      adapter_dtype: dtype of lora_a, lora_b and magnitude (default float32, like PEFT).
-      impl, exact_norm_grad: passed to ``dora_jax.functional.dora_dense``.
+      r, lora_alpha, use_rslora: the adapter rank r and scale s = lora_alpha / r (or / sqrt(r)),
+        PEFT's names. ``rank`` and ``alpha`` are deprecated aliases of r and lora_alpha (a
+        DeprecationWarning; passing both names of one argument is a TypeError).
       lora_dropout: adapter dropout rate in [0, 1) (PEFT's ``lora_dropout``; see
         ``dora_dense``'s ``dropout_rate``: the adapter sees dropout(x), the base x).
+      use_bias, dtype, param_dtype, kernel_init, bias_init, kernel_metadata: as nnx.Linear
+        (the frozen kernel and bias are created exactly as nnx.Linear would with these rngs).
+      adapter_dtype: dtype of lora_a, lora_b and magnitude; default (None) PEFT's rule: the
+        kernel's dtype, float32 over a float16/bfloat16 kernel.
+      impl, exact_norm_grad: passed to ``dora_jax.functional.dora_dense``.
       deterministic: disables the dropout (as ``nnx.Dropout``: default False, i.e. active until
         ``model.eval()``; it has no effect when ``lora_dropout`` is 0).
+      base: an existing nnx.Linear whose Variables to reuse (``from_linear``).
       rngs: random keys (``params`` for lora_a; with ``lora_dropout > 0`` the "dropout" stream,
         or the default one, is forked for the masks).
 
     Call: ``layer(x, *, deterministic=None, rngs=None)``: x [..., d_in] → [..., d_out] in the
     compute dtype (``dtype``, or x and the kernel promoted, as nnx.Linear does);
     ``deterministic`` and ``rngs`` (an nnx.Rngs, RngStream or key) override the layer's.
+    The norm and the composition run in promote_types(float32, compute dtype).
     """
 
     def __init__(
@@ -92,24 +108,28 @@ class DoraDense(nnx.Module):
         in_features: int,
         out_features: int,
         *,
-        rank: int,
-        alpha: float,
+        r: int | None = None,
+        lora_alpha: float | None = None,
         use_rslora: bool = False,
+        lora_dropout: float = 0.0,
         use_bias: bool = True,
         dtype=None,
         param_dtype=jnp.float32,
-        adapter_dtype=jnp.float32,
+        adapter_dtype=None,
         kernel_init=nnx.nn.linear.default_kernel_init,
         bias_init=_ZEROS,
         kernel_metadata: Mapping = MappingProxyType({}),
         impl: str = "auto",
         exact_norm_grad: bool = False,
         config: BlockConfig = DEFAULT_BLOCKS,
-        lora_dropout: float = 0.0,
         deterministic: bool = False,
         base: nnx.Linear | None = None,
         rngs: nnx.Rngs,
+        rank: int | None = None,
+        alpha: float | None = None,
     ):
+        r = check_rank(renamed_argument("DoraDense", "r", r, "rank", rank))
+        lora_alpha = renamed_argument("DoraDense", "lora_alpha", lora_alpha, "alpha", alpha)
         if base is None:
             base = nnx.Linear(
                 in_features,
@@ -127,16 +147,14 @@ class DoraDense(nnx.Module):
                 f"base is a {base.in_features}→{base.out_features} nnx.Linear; "
                 f"expected {in_features}→{out_features}"
             )
-        if int(rank) != rank or rank < 1:
-            raise ValueError(f"rank must be a positive integer; got {rank!r}")
         self.lora_dropout = check_dropout(lora_dropout, name="lora_dropout")
         self.deterministic = bool(deterministic)
         self.in_features = in_features
         self.out_features = out_features
-        self.rank = int(rank)
-        self.alpha = float(alpha)
+        self.r = r
+        self.lora_alpha = float(lora_alpha)
         self.use_rslora = bool(use_rslora)
-        self.scaling = scaling_for(self.rank, self.alpha, self.use_rslora)
+        self.scaling = scaling_for(self.r, self.lora_alpha, self.use_rslora)
         self.use_bias = base.bias is not None
         self.dtype = dtype
         self.param_dtype = param_dtype
@@ -149,43 +167,70 @@ class DoraDense(nnx.Module):
 
         a_meta, b_meta, m_meta = _adapter_sharding(self.kernel)
         kernel = self.kernel.get_value()
-        lora_a = lora_a_init(rngs.params(), (in_features, self.rank), adapter_dtype)
-        lora_b = lora_b_init(None, (self.rank, out_features), adapter_dtype)
+        if adapter_dtype is None:
+            adapter_dtype = default_adapter_dtype(kernel.dtype)
+        self.adapter_dtype = jnp.dtype(adapter_dtype)
+        lora_a = lora_a_init(rngs.params(), (in_features, self.r), self.adapter_dtype)
+        lora_b = lora_b_init(None, (self.r, out_features), self.adapter_dtype)
         # m = n at init, so the fresh adapter reproduces the base layer (g = 1)
-        magnitude = factored_norm(kernel, lora_a, lora_b, self.scaling).astype(adapter_dtype)
+        magnitude = factored_norm(kernel, lora_a, lora_b, self.scaling).astype(self.adapter_dtype)
         self.lora_a = DoraParam(lora_a, **a_meta)
         self.lora_b = DoraParam(lora_b, **b_meta)
         self.magnitude = DoraParam(magnitude, **m_meta)
         # data attributes (graph nodes) that hold a DoraCache or None
         self.base_sq = nnx.data(None)
         self.frozen_norm = nnx.data(None)
+        # merge state: the flag and the norm of the unmerged kernel, which unmerge() needs
+        self.merged = False
+        self.merge_norm = nnx.data(None)
         # the dropout masks' key stream, forked as nnx.Dropout does (after lora_a's key)
         self.dropout_rngs = rngs["dropout"].fork() if self.lora_dropout > 0 else nnx.data(None)
+
+    @property
+    def rank(self) -> int:
+        """Deprecated alias of ``r`` (kept for one release)."""
+        return self.r
+
+    @property
+    def alpha(self) -> float:
+        """Deprecated alias of ``lora_alpha`` (kept for one release)."""
+        return self.lora_alpha
 
     @classmethod
     def from_linear(
         cls,
         linear: nnx.Linear,
         *,
-        rank: int,
-        alpha: float,
+        r: int | None = None,
+        lora_alpha: float | None = None,
         rngs: nnx.Rngs,
         use_rslora: bool = False,
-        adapter_dtype=jnp.float32,
+        lora_dropout: float = 0.0,
+        adapter_dtype=None,
         impl: str = "auto",
         exact_norm_grad: bool = False,
         config: BlockConfig = DEFAULT_BLOCKS,
-        lora_dropout: float = 0.0,
         deterministic: bool = False,
+        rank: int | None = None,
+        alpha: float | None = None,
     ) -> DoraDense:
-        """Wrap an existing ``nnx.Linear``; its kernel and bias Variables are reused, not copied."""
+        """Wrap an existing ``nnx.Linear``; its kernel and bias Variables are reused, not copied.
+
+        Takes the constructor's adapter arguments (``r``, ``lora_alpha``, ...; ``rank`` and
+        ``alpha`` are deprecated aliases). ``adapter_dtype`` defaults to PEFT's rule on the
+        linear's kernel dtype: that dtype, or float32 over a float16/bfloat16 kernel.
+        """
         if not isinstance(linear, nnx.Linear):
             raise ValueError(f"linear must be an nnx.Linear; got {type(linear).__name__}")
+        r = renamed_argument("DoraDense.from_linear", "r", r, "rank", rank)
+        lora_alpha = renamed_argument(
+            "DoraDense.from_linear", "lora_alpha", lora_alpha, "alpha", alpha
+        )
         return cls(
             linear.in_features,
             linear.out_features,
-            rank=rank,
-            alpha=alpha,
+            r=r,
+            lora_alpha=lora_alpha,
             use_rslora=use_rslora,
             dtype=linear.dtype,
             param_dtype=linear.param_dtype,
@@ -226,10 +271,13 @@ class DoraDense(nnx.Module):
         )
 
     def __call__(self, x, *, deterministic: bool | None = None, rngs=None):
-        key = self._dropout_key(deterministic, rngs)
         cd = self._compute_dtype(x)
         kernel = self.kernel.get_value().astype(cd)
         bias = None if self.bias is None else self.bias.get_value()
+        if self.merged:  # the adapter lives in the kernel: the plain dense layer
+            y = jnp.dot(jnp.asarray(x, cd), kernel)
+            return y if bias is None else y + bias.astype(cd)
+        key = self._dropout_key(deterministic, rngs)
         return dora_dense(
             jnp.asarray(x, cd),
             kernel,
@@ -250,8 +298,14 @@ class DoraDense(nnx.Module):
 
     # -- explicit caches ----------------------------------------------------------------------
 
+    def _check_unmerged(self, what: str) -> None:
+        if self.merged:
+            raise ValueError(f"{what} needs the unmerged kernel; call unmerge() first")
+
     def norm(self, dtype=None):
-        """The current column norm f32 [d_out] (kernel in ``dtype``, default the compute dtype)."""
+        """The current column norm [d_out] (kernel in ``dtype``, default the compute dtype),
+        in promote_types(float32, that dtype)."""
+        self._check_unmerged("norm()")
         kernel = self.kernel.get_value()
         cd = (self.dtype or kernel.dtype) if dtype is None else dtype
         return factored_norm(
@@ -260,6 +314,7 @@ class DoraDense(nnx.Module):
 
     def cache_base_sq(self) -> None:
         """Store ||K_:j||² (the part of the norm the frozen kernel fixes) for later calls."""
+        self._check_unmerged("cache_base_sq()")
         self.base_sq = DoraCache(base_sq_norm(self.kernel.get_value()))
 
     def freeze_norm(self, dtype=None) -> None:
@@ -278,19 +333,73 @@ class DoraDense(nnx.Module):
 
     # -- merging ------------------------------------------------------------------------------
 
-    def merge(self) -> nnx.Linear:
-        """An ``nnx.Linear`` whose kernel is g ⊙ (K + s·a·b): the layer with the adapter folded in.
+    def _set_kernel(self, value) -> None:
+        """Write the kernel in place, keeping its dtype and (concrete) sharding."""
+        old = self.kernel.get_value()
+        value = value.astype(old.dtype)
+        sharding = getattr(old, "sharding", None)
+        if sharding is not None and not isinstance(value, jax.core.Tracer):
+            value = jax.device_put(value, sharding)
+        self.kernel.set_value(value)
 
-        The kernel keeps its Variable metadata (sharding); the bias Variable is shared.
+    def merge(self) -> None:
+        """Fold the adapter into the kernel in place: K ← g ⊙ (K + s·a·b) (``dora_torch.Linear``).
+
+        The layer then computes the plain dense product ``x·K + bias`` and ``merged`` is True;
+        the norm of the unmerged kernel (in the kernel's dtype) is kept in ``merge_norm`` for
+        ``unmerge()``. A no-op if already merged. The kernel Variable is shared with the
+        nnx.Linear the layer wraps (``from_linear``), which therefore sees the merged kernel
+        too. Caches are cleared. Use ``to_linear()`` for a separate merged nnx.Linear instead.
+        """
+        if self.merged:
+            return
+        kernel = self.kernel.get_value()
+        lora_a, lora_b = self.lora_a.get_value(), self.lora_b.get_value()
+        n = factored_norm(kernel, lora_a, lora_b, self.scaling)
+        merged = merge_weight(kernel, lora_a, lora_b, self.magnitude.get_value(), self.scaling, n)
+        self._set_kernel(merged)
+        self.merge_norm = DoraCache(n)
+        self.merged = True
+        self.clear_cache()
+
+    def unmerge(self) -> None:
+        """Undo ``merge()`` with the norm saved at merge time; a no-op if not merged.
+
+        Raises ValueError for columns with zero magnitude (m = 0), which merging cannot undo.
+        """
+        if not self.merged:
+            return
+        self._set_kernel(
+            unmerge_weight(
+                self.kernel.get_value(),
+                self.lora_a.get_value(),
+                self.lora_b.get_value(),
+                self.magnitude.get_value(),
+                self.scaling,
+                self.merge_norm.get_value(),
+            )
+        )
+        self.merge_norm = None
+        self.merged = False
+        self.clear_cache()
+
+    def to_linear(self) -> nnx.Linear:
+        """A new ``nnx.Linear`` whose kernel is g ⊙ (K + s·a·b): the layer with the adapter
+        folded in, leaving this layer (and its kernel) unchanged. (Before the in-place
+        ``merge()`` existed, this was what ``merge()`` returned.)
+
+        The kernel keeps its Variable metadata (sharding); the bias Variable is shared. If the
+        layer is merged, the kernel already holds the folded weight and is copied as is.
         """
         kernel = self.kernel.get_value()
-        merged = merged_kernel(
-            kernel,
-            self.lora_a.get_value(),
-            self.lora_b.get_value(),
-            self.magnitude.get_value(),
-            self.scaling,
-        )
+        if not self.merged:
+            kernel = merge_weight(
+                kernel,
+                self.lora_a.get_value(),
+                self.lora_b.get_value(),
+                self.magnitude.get_value(),
+                self.scaling,
+            )
         linear = nnx.eval_shape(
             lambda: nnx.Linear(
                 self.in_features,
@@ -301,6 +410,6 @@ class DoraDense(nnx.Module):
                 rngs=nnx.Rngs(0),
             )
         )
-        linear.kernel = self.kernel.copy(merged)
+        linear.kernel = self.kernel.copy(kernel)
         linear.bias = self.bias
         return linear

@@ -45,20 +45,22 @@ def dora_dense(
       x: [..., d_in], any leading dims (including none-sized ones); sets the activation dtype.
       kernel: [d_in, d_out] frozen base weight (cast to x's dtype if it differs).
       lora_a: [d_in, r]. lora_b: [r, d_out]. magnitude: [d_out]. bias: [d_out] or None.
-        Adapters may be f32 (the default ``param_dtype``): they are cast to the activation
-        dtype for the products, which accumulate in f32; their gradients come back in f32.
+        Adapters may be f32 (PEFT's default over a 16-bit kernel): they are cast to the
+        activation dtype for the products, which accumulate in acc = promote_types(f32, x's
+        dtype); their gradients come back in their own dtypes.
       scaling: the adapter scale s (a Python number: alpha / r, or alpha / sqrt(r)).
       impl: "pallas", "xla", or "auto" (the measured table in ``dora_jax.config``).
       exact_norm_grad: differentiate through the norm too (default: norm detached, as in the
         DoRA paper and PEFT).
-      norm: optional precomputed column norm f32 [d_out] (e.g. cached for inference with frozen
+      norm: optional precomputed column norm [d_out] (e.g. cached for inference with frozen
         adapters); treated as a constant. Cannot be combined with ``exact_norm_grad``.
-      base_sq: optional precomputed ``||K_:j||²`` f32 [d_out] (K is frozen, so it can be cached).
+      base_sq: optional precomputed ``||K_:j||²`` [d_out] (K is frozen, so it can be cached).
       chunk_size: accumulate the norm's GEMMs over slices of d_in.
       interpret: run Pallas kernels in interpret mode (default: when not on a GPU).
-      dropout_rate, dropout_rng, deterministic: adapter dropout with PEFT's semantics (DESIGN
-        §1). Active only when ``dropout_rate > 0`` and ``deterministic`` is False (the default
-        True, as for an eval call, ignores the rate); then x_d = dropout(x) (mask drawn from
+      dropout_rate, dropout_rng, deterministic: adapter dropout with PEFT's semantics
+        (docs/design.md §1). Active only when ``dropout_rate > 0`` and ``deterministic`` is
+        False (the default True, as for an eval call, ignores the rate); then x_d = dropout(x)
+        (mask drawn from
         ``dropout_rng`` by ``dropout_mask``, kept entries scaled by 1/(1 − rate), as
         ``nnx.Dropout``) feeds the adapter and
 
@@ -70,12 +72,16 @@ def dora_dense(
         unaffected by dropout, so ``exact_norm_grad`` works as without it. Gradients reach x
         through both x and x_d. ``dropout_rate=0`` runs exactly the no-dropout program.
 
-    Returns [..., d_out] in x's dtype. The norm and g run in f32 and g is applied in f32, so
-    no ``g − 1`` ever forms in the activation dtype. The Pallas compose rounds the output once;
-    the XLA compose first rounds ``inner = base + s·h·b`` to x's dtype (XLA folds the add into
-    the LoRA GEMM) and then once more after the f32 scale: two roundings, measured 2.8e-3 vs
-    2.2e-3 relative error in bf16 (one rounding of the exact result: 1.7e-3), within the
-    shared tolerance rule. Works under jit, grad, vmap and remat.
+    Returns [..., d_out] in x's dtype. The norm, g and the composition run in acc (f32 for
+    bf16/f16/f32 activations; f64 for f64 activations under ``jax_enable_x64``, where forward
+    and gradients are float64-accurate), so no ``g − 1`` ever forms in the activation dtype.
+    In the backward g ⊙ dy saturates at ±finfo(x.dtype).max when rounded to x's dtype (a zero
+    column, n clamped to eps, would overflow f16 and turn dx into NaN), as dora_torch does.
+    The Pallas compose rounds the output once; the XLA compose first rounds
+    ``inner = base + s·h·b`` to x's dtype (XLA folds the add into the LoRA GEMM) and then once
+    more after the f32 scale: two roundings, measured 2.8e-3 vs 2.2e-3 relative error in bf16
+    (one rounding of the exact result: 1.7e-3), within the shared tolerance rule. Works under
+    jit, grad, vmap and remat.
     """
     d_in, d_out, r = check_adapter(kernel, lora_a, lora_b)
     check_input(x, d_in)

@@ -1,4 +1,4 @@
-"""The factored DoRA weight norm in Flax layout (DESIGN §2), without the dense a·b.
+"""The factored DoRA weight norm in Flax layout (docs/design.md §2), without the dense a·b.
 
 For each output column j of the effective kernel K + s·a·b (norm over d_in):
 
@@ -6,7 +6,12 @@ For each output column j of the effective kernel K + s·a·b (norm over d_in):
          + 2s · Σ_k b_kj U_kj            U = aᵀK  [r, d_out]   (one XLA GEMM)
          + s² · Σ_kl b_kj G_kl b_lj      G = aᵀa  [r, r]
 
-All products take a in the kernel's dtype with f32 accumulation; the assembly is f32.
+The adapter precision rule (shared with dora_torch): lora_a is rounded to the kernel's dtype,
+the dtype it meets the kernel in for U = aᵀK, and G = aᵀa is formed from the same rounded a;
+both accumulate in acc = promote_types(f32, kernel dtype). lora_b enters the assembly at
+promote(b.dtype, f32), never rounded down to the kernel's dtype. The assembly runs in
+promote(acc, that): f32 for bf16/f16/f32 kernels with f32 adapters, f64 when anything is f64
+(with ``jax_enable_x64``).
 """
 
 from __future__ import annotations
@@ -16,35 +21,45 @@ from jax import lax
 
 from . import kernels, xla_ops
 from .checks import check_adapter, check_chunk_size, check_scaling, check_vector
-from .config import DEFAULT_BLOCKS, BlockConfig, current_platform, dot_precision, resolve_impl
+from .config import (
+    DEFAULT_BLOCKS,
+    NORM_PRECISION,
+    BlockConfig,
+    acc_dtype,
+    current_platform,
+    resolve_impl,
+)
 
-_F32 = jnp.float32
 # contract axis 0 of both operands: aᵀK and aᵀa without materialising a transpose
 _CONTRACT_0 = (((0,), (0,)), ((), ()))
 
 
 def base_sq_norm(kernel, *, chunk_size=None):
-    """``||K_:j||²`` per output column, f32 [d_out]; kernel [d_in, d_out] any float dtype."""
+    """``||K_:j||²`` per output column [d_out] in promote(f32, kernel dtype); kernel
+    [d_in, d_out] any float dtype."""
     if jnp.ndim(kernel) != 2:
         raise ValueError(f"kernel must be 2-D [d_in, d_out]; got shape {jnp.shape(kernel)}")
+    acc = acc_dtype(kernel.dtype)
     total = None
-    for sl in _chunks(kernel.shape[0], check_chunk_size(chunk_size)):
-        part = jnp.sum(jnp.square(kernel[sl].astype(_F32)), axis=0)
+    for sl in chunk_slices(kernel.shape[0], check_chunk_size(chunk_size)):
+        part = jnp.sum(jnp.square(kernel[sl].astype(acc)), axis=0)
         total = part if total is None else total + part
     return total
 
 
 def norm_gemms(kernel, lora_a, *, chunk_size=None):
-    """(U = aᵀK [r, d_out], G = aᵀa [r, r]) in f32; a is cast to the kernel's dtype.
+    """(U = aᵀK [r, d_out], G = aᵀa [r, r]) in promote(f32, kernel dtype); a is rounded to the
+    kernel's dtype (for both GEMMs: G is the Gram of the very a that meets K).
 
     With ``chunk_size`` both are accumulated over slices of d_in, bounding the transient of
     each GEMM's operands.
     """
+    acc = acc_dtype(kernel.dtype)
     a = lora_a.astype(kernel.dtype)
     u = gram = None
-    for sl in _chunks(kernel.shape[0], check_chunk_size(chunk_size)):
-        du = lax.dot_general(a[sl], kernel[sl], _CONTRACT_0, preferred_element_type=_F32)
-        dg = lax.dot_general(a[sl], a[sl], _CONTRACT_0, preferred_element_type=_F32)
+    for sl in chunk_slices(kernel.shape[0], check_chunk_size(chunk_size)):
+        du = lax.dot_general(a[sl], kernel[sl], _CONTRACT_0, preferred_element_type=acc)
+        dg = lax.dot_general(a[sl], a[sl], _CONTRACT_0, preferred_element_type=acc)
         u, gram = (du, dg) if u is None else (u + du, gram + dg)
     return u, gram
 
@@ -61,7 +76,7 @@ def factored_norm(
     interpret: bool | None = None,
     config: BlockConfig = DEFAULT_BLOCKS,
 ):
-    """Column norms of ``kernel + s·lora_a·lora_b`` (Flax layout), f32 [d_out].
+    """Column norms of ``kernel + s·lora_a·lora_b`` (Flax layout), [d_out].
 
     Args:
       kernel: [d_in, d_out]. lora_a: [d_in, r]. lora_b: [r, d_out]. scaling: s (a number).
@@ -70,8 +85,11 @@ def factored_norm(
       impl: "auto", "pallas" or "xla" for the assembly step (the GEMMs are always XLA).
       interpret: run Pallas in interpret mode; default: when the backend is not a GPU.
 
-    lora_a and lora_b are cast to the kernel's dtype (the adapter as the forward applies it);
-    every accumulation is f32. Never forms the dense [d_in, d_out] product a·b.
+    Precision (the rule shared with dora_torch): lora_a is rounded to the kernel's dtype for
+    U = aᵀK and G = aᵀa, which accumulate in promote(f32, kernel dtype); lora_b enters the
+    assembly at promote(b.dtype, f32). The result's dtype is promote(f32, kernel, lora_b):
+    f32 for bf16/f16/f32 inputs, f64 for f64 inputs (with ``jax_enable_x64``). Never forms the
+    dense [d_in, d_out] product a·b.
     """
     d_in, d_out, r = check_adapter(kernel, lora_a, lora_b)
     s = check_scaling(scaling)
@@ -105,18 +123,20 @@ def norm_parts(
     config,
     grad_parts: bool = False,
 ):
-    """(n, w): the factored norm, and with ``grad_parts`` w = s·U + s²·G·b f32 [r, d_out].
+    """(n, w): the factored norm, and with ``grad_parts`` w = s·U + s²·G·b [r, d_out].
 
     w is the one product the exact norm gradient needs from the norm (db += c ⊙ w); it is
     returned instead of U and G so the backward neither keeps them nor recomputes G·b.
     The one implementation behind ``factored_norm`` and the custom_vjp's forward; ``impl`` is
     already resolved ("pallas" or "xla"), arguments already checked.
     """
-    b = lora_b.astype(kernel.dtype)
+    b = lora_b.astype(acc_dtype(lora_b.dtype))  # never rounded down to the kernel's dtype
+    dt = acc_dtype(kernel.dtype, b.dtype)  # the assembly's dtype
     u, gram = norm_gemms(kernel, lora_a, chunk_size=chunk_size)
     if base_sq is None:
         base_sq = base_sq_norm(kernel, chunk_size=chunk_size)
-    precision = dot_precision(kernel.dtype)
+    u, gram, b, base_sq = (v.astype(dt) for v in (u, gram, b, base_sq))
+    precision = NORM_PRECISION
     gb = None
     if impl == "pallas":
         n = kernels.norm_assembly(
@@ -140,6 +160,8 @@ def norm_parts(
     return n, w
 
 
-def _chunks(n: int, chunk: int | None):
+def chunk_slices(n: int, chunk: int | None) -> list[slice]:
+    """Slices of ``range(n)`` of width ``chunk`` (one slice when None; one empty slice when
+    n = 0): the one chunking helper of dora_jax."""
     step = n if chunk is None else chunk
     return [slice(i, min(i + step, n)) for i in range(0, max(n, 1), max(step, 1))]

@@ -1,18 +1,23 @@
 """The DoRA layer as a ``jax.custom_vjp`` on 2-D inputs (Flax layout); ``functional`` wraps it.
 
-Forward (DESIGN §1, §2), with cd the activation dtype:
+Forward (docs/design.md §1, §2), with cd the activation dtype and acc = promote_types(f32, cd) (f32
+for bf16/f16/f32 activations, f64 for f64 ones with ``jax_enable_x64``); "f32" below means acc:
 
-    n = ||K + s·a·b||_col          factored (U = aᵀK, G = aᵀa), f32, or given precomputed
-    g = m / max(n, eps)            f32
+    n = ||K + s·a·b||_col          factored (U = aᵀK, G = aᵀa), acc, or given precomputed
+    g = m / max(n, eps)            acc
     h = x·a (cd),  base = x·K (cd)
-    y = g ⊙ (base + s·h·b) + bias  (g applied in f32; Pallas rounds once, XLA rounds inner first)
+    y = g ⊙ (base + s·h·b) + bias  (g applied in acc; Pallas rounds once, XLA rounds inner first)
 
-Backward (DESIGN §4) with dy_g = g ⊙ dy, P = hᵀ·dy [r, N] and ``saved`` the [T, N] activation
+Backward (docs/design.md §4) with dy_g = g ⊙ dy, P = hᵀ·dy [r, N] and ``saved`` the [T, N]
+activation
 the forward kept (``inner`` = base + s·h·b from the XLA compose, or ``base`` from the Pallas
 one, whose fused epilogue never materialises inner):
 
     dm = (Σ_t dy ⊙ inner) / n,  Σ_t dy ⊙ inner = Σ_t dy ⊙ base + s·Σ_k b ⊙ P
     db = s·P ⊙ g,   q = s·dy_g·bᵀ [T, r],   da = xᵀ·q,   dx = dy_g·Kᵀ + q·aᵀ,   dK = xᵀ·dy_g
+
+dy_g is saturated at ±finfo(cd).max when rounded to cd (g ≈ m/eps on a zero column overflows
+f16, and inf · 0 in the GEMMs would be NaN), as dora_torch does.
 
 The norm is a constant unless ``exact_norm_grad``; then, with c = (dL/dn)/n (zero where n was
 clamped by eps), the terms through n are added:
@@ -25,7 +30,7 @@ G·b never recomputed); never a [d_in, N] temporary. Transposed products are wri
 ``dot_general`` contractions, so the program holds no transpose of the kernel or the adapters
 (XLA would fold them, but the lowered program need not rely on it).
 
-Adapter dropout (PEFT's form, DESIGN §1): x_d = dropout(x) [T, d_in] is an input of its own,
+Adapter dropout (PEFT's form, docs/design.md §1): x_d = dropout(x) [T, d_in] is an input of its own,
 computed outside by the caller as a differentiable function of x; then h = x_d·a, the compose
 always runs in XLA (``xla_ops.compose``), g1 = g − 1 = (m − n)/n is formed in f32, and
 
@@ -50,13 +55,11 @@ import jax.numpy as jnp
 from jax import lax
 from jax.custom_derivatives import SymbolicZero
 
-from shared_spec.compose import EPS
-
 from . import kernels, xla_ops
-from .config import BlockConfig, dot_precision
+from .config import BlockConfig, acc_dtype, dot_precision
 from .norm import norm_parts
+from .xla_ops import magnitude_scale, magnitude_scale_minus_one, norm_is_clamped, safe_norm
 
-_F32 = jnp.float32
 _CONTRACT_0 = (((0,), (0,)), ((), ()))  # aᵀ·b without a transpose
 _CONTRACT_1 = (((1,), (1,)), ((), ()))  # a·bᵀ without a transpose
 
@@ -91,22 +94,18 @@ def _norm_parts(opts: Options, kernel, lora_a, lora_b, base_sq):
     )
 
 
-def _gain_minus_one(magnitude, n):
-    """g − 1 = (m − n)/n in f32 with n clamped by eps (never g − 1 in the activation dtype)."""
-    n_safe = jnp.maximum(n, EPS)
-    return (magnitude.astype(_F32) - n_safe) / n_safe
-
-
 def _forward(opts: Options, x, x_d, kernel, lora_a, lora_b, magnitude, bias, base_sq, norm):
     """Returns (y, residuals). x [T, d_in], x_d (like x, or None: no dropout) and kernel
     [d_in, N] share the activation dtype."""
     cd = x.dtype
+    acc = acc_dtype(cd)
     s = opts.scaling
     if norm is None:
         n, w = _norm_parts(opts, kernel, lora_a, lora_b, base_sq)
     else:
-        n, w = norm.astype(_F32), None
-    g = magnitude.astype(_F32) / jnp.maximum(n, EPS)
+        n, w = norm, None
+    n = n.astype(acc)
+    g = magnitude_scale(magnitude, n, acc)
     a_c, b_c = lora_a.astype(cd), lora_b.astype(cd)
     h = jnp.dot(x if x_d is None else x_d, a_c, preferred_element_type=cd)  # f32 acc, one round
     base = jnp.dot(x, kernel)
@@ -124,7 +123,11 @@ def _forward(opts: Options, x, x_d, kernel, lora_a, lora_b, magnitude, bias, bas
         )
         saved, saved_is_inner = base, False
     else:
-        dropout = None if x_d is None else (jnp.dot(x_d, kernel), _gain_minus_one(magnitude, n))
+        dropout = (
+            None
+            if x_d is None
+            else (jnp.dot(x_d, kernel), magnitude_scale_minus_one(magnitude, n, acc))
+        )
         y, saved = xla_ops.compose(
             base, h, b_c, g, bias, scaling=s, precision=dot_precision(cd), dropout=dropout
         )
@@ -185,9 +188,10 @@ def _bwd(opts: Options, packed, dy):
     if isinstance(dy, SymbolicZero):
         return (None,) * 9
     cd = x.dtype
+    acc = acc_dtype(cd)
     s = opts.scaling
     exact = opts.exact_norm_grad
-    n_safe = jnp.maximum(n, EPS)
+    n_safe = safe_norm(n, acc)
     b_c = lora_b.astype(cd)
     a_c = lora_a.astype(cd)
 
@@ -200,30 +204,29 @@ def _bwd(opts: Options, packed, dy):
     dropout = x_d is not None
     x_in = x_d if dropout else x
     if dropout:
-        g1 = _gain_minus_one(magnitude, n)
-        dy_k = (dy.astype(_F32) * g1[None, :]).astype(cd)
+        dy_k = xla_ops.saturating_scale(dy, magnitude_scale_minus_one(magnitude, n, acc), acc)
     else:
         dy_k = dy_g
     need_dx_in = pxd if dropout else px
 
     need_p = pb or exact or (pm and not saved_is_inner)
-    p = lax.dot_general(h, dy, _CONTRACT_0, preferred_element_type=_F32) if need_p else None
+    p = lax.dot_general(h, dy, _CONTRACT_0, preferred_element_type=acc) if need_p else None
     # Σ_t dy ⊙ inner; with base saved, the LoRA part comes from P = hᵀ·dy (already needed for db)
     inner_dot = None
     if pm or exact:
-        inner_dot = col if saved_is_inner else col + s * jnp.sum(b_c.astype(_F32) * p, axis=0)
+        inner_dot = col if saved_is_inner else col + s * jnp.sum(b_c.astype(acc) * p, axis=0)
 
     dx = dx_d = dk = da = db = dm = dbias = None
     if pm:
         dm = (inner_dot / n_safe).astype(magnitude.dtype)
     if pbias:
-        dbias = jnp.sum(dy.astype(_F32), axis=0).astype(bias.dtype)
+        dbias = jnp.sum(dy.astype(acc), axis=0).astype(bias.dtype)
     if pb or exact:
         db = s * p * g[None, :]
     if pa or need_dx_in:
-        q = (s * lax.dot_general(dy_g, b_c, _CONTRACT_1, preferred_element_type=_F32)).astype(cd)
+        q = (s * lax.dot_general(dy_g, b_c, _CONTRACT_1, preferred_element_type=acc)).astype(cd)
         if pa:
-            da = lax.dot_general(x_in, q, _CONTRACT_0, preferred_element_type=_F32)
+            da = lax.dot_general(x_in, q, _CONTRACT_0, preferred_element_type=acc)
         if need_dx_in:
             dx_in = lax.dot_general(dy_k, kernel, _CONTRACT_1) + lax.dot_general(
                 q, a_c, _CONTRACT_1
@@ -235,29 +238,29 @@ def _bwd(opts: Options, packed, dy):
     if dropout and px:
         dx = lax.dot_general(dy, kernel, _CONTRACT_1)
     if pk:
-        dk = lax.dot_general(x_in, dy_k, _CONTRACT_0, preferred_element_type=_F32)
+        dk = lax.dot_general(x_in, dy_k, _CONTRACT_0, preferred_element_type=acc)
         if dropout:
-            dk = dk + lax.dot_general(x, dy, _CONTRACT_0, preferred_element_type=_F32)
+            dk = dk + lax.dot_general(x, dy, _CONTRACT_0, preferred_element_type=acc)
 
     if exact:
-        dn = -(magnitude.astype(_F32) / (n_safe * n_safe)) * inner_dot
-        c = jnp.where(n >= EPS, dn / n_safe, 0.0)
-        bc = b_c.astype(_F32) * c[None, :]  # [r, N]
+        dn = -(magnitude.astype(acc) / (n_safe * n_safe)) * inner_dot
+        c = jnp.where(norm_is_clamped(n), 0.0, dn / n_safe)
+        bc = b_c.astype(acc) * c[None, :]  # [r, N]
         prec = dot_precision(cd)
         if pb:
             db = db + c[None, :] * w
         if pa:
             # (b ⊙ c)·bᵀ contracts over N: activation-dtype operands, f32 accumulation (as kbc)
             bbt = lax.dot_general(
-                bc.astype(cd), b_c, _CONTRACT_1, precision=prec, preferred_element_type=_F32
+                bc.astype(cd), b_c, _CONTRACT_1, precision=prec, preferred_element_type=acc
             )
-            kbc = lax.dot_general(kernel, bc.astype(cd), _CONTRACT_1, preferred_element_type=_F32)
-            da = da + s * kbc + s * s * jnp.dot(lora_a.astype(_F32), bbt, precision=prec)
+            kbc = lax.dot_general(kernel, bc.astype(cd), _CONTRACT_1, preferred_element_type=acc)
+            da = da + s * kbc + s * s * jnp.dot(lora_a.astype(acc), bbt, precision=prec)
         if pk:
             dk = (
                 dk
-                + kernel.astype(_F32) * c[None, :]
-                + s * jnp.dot(a_c, bc.astype(cd), preferred_element_type=_F32)
+                + kernel.astype(acc) * c[None, :]
+                + s * jnp.dot(a_c, bc.astype(cd), preferred_element_type=acc)
             )
 
     def cast(v, like, wanted):

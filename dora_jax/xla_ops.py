@@ -1,65 +1,114 @@
-"""XLA counterparts of the Pallas kernels in ``dora_jax.kernels`` (same math, same shapes).
+"""XLA counterparts of the Pallas kernels in ``dora_jax.kernels`` (same math, same shapes), and
+the one definition of the magnitude factor g = m / max(n, eps) and of g − 1 = (m − n)/n.
 
 Written so XLA fuses each into the GEMM next to it or into one elementwise pass: activations stay
-in their dtype, only the per-column quantities (g, norms, sums) are f32 (DESIGN §5).
+in their dtype, only the per-column quantities (g, norms, sums) are in the accumulation dtype
+``acc = promote_types(f32, activation dtype)`` (f32, or f64 for f64 activations; docs/design.md §5).
 """
 
 from __future__ import annotations
 
 import jax.numpy as jnp
 
-_F32 = jnp.float32
+from shared_spec.compose import EPS
+
+from .config import acc_dtype
+
+
+def safe_norm(norm, dtype):
+    """max(n, eps) in ``dtype``: the clamped norm every division by n uses (the spec's eps)."""
+    return jnp.maximum(norm.astype(dtype), EPS)
+
+
+def norm_is_clamped(norm):
+    """True where n < eps: there g is m/eps and nothing flows through n (exact norm gradient)."""
+    return norm < EPS
+
+
+def magnitude_scale(magnitude, norm, dtype):
+    """g = m / max(n, eps) in ``dtype`` [d_out]."""
+    return magnitude.astype(dtype) / safe_norm(norm, dtype)
+
+
+def magnitude_scale_minus_one(magnitude, norm, dtype):
+    """g − 1 = (m − n) / max(n, eps) in ``dtype`` [d_out]: never g − 1 after rounding g (§3)."""
+    n = safe_norm(norm, dtype)
+    return (magnitude.astype(dtype) - n) / n
+
+
+def saturating_scale(dy, g, acc):
+    """``g ⊙ dy`` per column, evaluated in ``acc`` and rounded to dy's dtype, saturated to
+    ±finfo(dy.dtype).max instead of overflowing to ±inf.
+
+    With a zero column (n clamped to eps) g ≈ m/eps; in f16 g·dy overflows, and inf · 0 in the
+    following GEMMs (that column of K and b is zero) would turn dx and da into NaN. dora_torch
+    saturates the same way (``ops.backward_core``).
+    """
+    big = float(jnp.finfo(dy.dtype).max)
+    scaled = dy.astype(acc) * g.astype(acc)[None, :]
+    return jnp.clip(scaled, -big, big).astype(dy.dtype)
 
 
 def compose(base, h, lora_b, g, bias=None, *, scaling: float, precision=None, dropout=None):
     """``g ⊙ (base + s·h·lora_b) + bias``; returns (y, inner).
 
     inner = base + s·h·lora_b [T, N] is rounded to the activation dtype (XLA folds the add into
-    the LoRA GEMM); the scale by g and the bias run in f32 and round once. The backward saves
+    the LoRA GEMM); the scale by g and the bias run in acc and round once. The backward saves
     ``inner``: its buffer replaces base's, so the forward holds one [T, N] temporary, as LoRA.
 
-    With adapter dropout (PEFT's form, DESIGN §1), ``dropout = (base_d, g1)`` with
-    base_d = x_d·K and g1 = (m − n)/n in f32 (never g − 1 in the activation dtype), and h = x_d·a:
+    With adapter dropout (PEFT's form, docs/design.md §1), ``dropout = (base_d, g1)`` with
+    base_d = x_d·K and g1 = (m − n)/n in acc (never g − 1 in the activation dtype), and h = x_d·a:
 
         y = base + g1 ⊙ base_d + g ⊙ s·h·lora_b + bias,   inner = base_d + s·h·lora_b
     """
+    acc = acc_dtype(base.dtype)
+    g = g.astype(acc)
     lora = jnp.dot(h, lora_b, precision=precision)
     if dropout is None:
         inner = base + (scaling * lora).astype(base.dtype)
-        y = g[None, :] * inner.astype(_F32)
+        y = g[None, :] * inner.astype(acc)
     else:
         base_d, g1 = dropout
         inner = base_d + (scaling * lora).astype(base.dtype)
         y = (
-            base.astype(_F32)
-            + g1[None, :] * base_d.astype(_F32)
-            + (scaling * g)[None, :] * lora.astype(_F32)
+            base.astype(acc)
+            + g1.astype(acc)[None, :] * base_d.astype(acc)
+            + (scaling * g)[None, :] * lora.astype(acc)
         )
     if bias is not None:
-        y = y + bias.astype(_F32)[None, :]
+        y = y + bias.astype(acc)[None, :]
     return y.astype(base.dtype), inner
 
 
 def scale_reduce(dy, saved, g):
-    """(g ⊙ dy in dy's dtype, Σ_t dy ⊙ saved in f32): one elementwise pass with a column sum."""
-    dy32 = dy.astype(_F32)
-    return (dy32 * g[None, :]).astype(dy.dtype), jnp.sum(dy32 * saved.astype(_F32), axis=0)
+    """(g ⊙ dy in dy's dtype, saturated; Σ_t dy ⊙ saved in acc): one elementwise pass with a
+    column sum."""
+    acc = acc_dtype(dy.dtype)
+    col = jnp.sum(dy.astype(acc) * saved.astype(acc), axis=0)
+    return saturating_scale(dy, g, acc), col
 
 
 def gram_times_b(gram, lora_b, *, precision=None):
-    """G·b [r, N] in f32 (the Gram term of the norm; the exact norm gradient reuses it)."""
-    b = lora_b.astype(_F32)
-    return jnp.dot(gram.astype(_F32), b, precision=precision, preferred_element_type=_F32)
+    """G·b [r, N] in promote(G, b) (the Gram term of the norm; the exact norm gradient reuses it).
+
+    lora_b is taken at promote(b.dtype, f32): never rounded below f32."""
+    dt = acc_dtype(gram.dtype, lora_b.dtype)
+    return jnp.dot(
+        gram.astype(dt), lora_b.astype(dt), precision=precision, preferred_element_type=dt
+    )
 
 
 def norm_from_gb(u, gb, lora_b, base_sq, *, scaling: float):
-    """n_j = sqrt(max(base_sq_j + Σ_k b_kj (2s·U_kj + s²·(G b)_kj), 0)) from a given G·b."""
-    b = lora_b.astype(_F32)
-    sq = base_sq.astype(_F32) + jnp.sum(b * (2.0 * scaling * u + scaling * scaling * gb), axis=0)
+    """n_j = sqrt(max(base_sq_j + Σ_k b_kj (2s·U_kj + s²·(G b)_kj), 0)) from a given G·b,
+    in promote(f32, u, G·b, b, base_sq)."""
+    dt = acc_dtype(u.dtype, gb.dtype, lora_b.dtype, base_sq.dtype)
+    b = lora_b.astype(dt)
+    cross_gram = 2.0 * scaling * u.astype(dt) + scaling * scaling * gb.astype(dt)
+    sq = base_sq.astype(dt) + jnp.sum(b * cross_gram, axis=0)
     return jnp.sqrt(jnp.maximum(sq, 0.0))
 
 
 def norm_assembly(u, gram, lora_b, base_sq, *, scaling: float, precision=None):
-    """n_j = sqrt(max(base_sq_j + Σ_k b_kj (2s·U_kj + s²·(G b)_kj), 0)), f32 [N]."""
+    """n_j = sqrt(max(base_sq_j + Σ_k b_kj (2s·U_kj + s²·(G b)_kj), 0)) [N]."""
     gb = gram_times_b(gram, lora_b, precision=precision)
     return norm_from_gb(u, gb, lora_b, base_sq, scaling=scaling)

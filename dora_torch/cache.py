@@ -1,15 +1,24 @@
-"""Per-module cache of ‖W‖², the norm and the adapter casts, invalidated by tensor versions.
+"""Per-module cache of ‖W‖², the norm and the adapter casts: never read stale (docs/design.md §8).
 
 A cached value is reused only while every tensor it was computed from is the *same object*
-(weak reference), with the same storage (``data_ptr``), shape, dtype and version counter
-(``_version`` increases on every in-place write: optimizer steps, ``copy_``, merges). So an
-optimizer step, ``load_state_dict`` or a replaced weight invalidates it at once, and
-gradient-accumulation micro-batches or inference calls pay for the norm once.
+(weak reference) with the same storage (``data_ptr``), shape, dtype and version counter, AND
+no ``torch.optim.Optimizer`` has stepped since it was computed. The version counter catches
+in-place writes through the dispatcher (``copy_``, ``load_state_dict``, merges, foreach
+optimizers); the process-wide optimizer-step counter (advanced by torch's global optimizer
+step post-hook, which fires for every ``torch.optim.Optimizer`` subclass, fused ones included)
+catches optimizers that write parameters without bumping versions (``AdamW(fused=True)``,
+the default of ``transformers.Trainer``). Gradient-accumulation micro-batches and inference
+calls between two optimizer steps pay for the norm once.
 
-Not detectable (documented limitation): writes that bypass the version counter, i.e. through
-``tensor.data`` (``p.data.copy_(...)``) or by code outside PyTorch's dispatcher (some fused or
-sharded optimizers). After such writes call ``dora_torch.clear_caches(model)`` (e.g. from
-``optimizer.register_step_post_hook``).
+Compiled graphs cannot run these Python checks, so modules in eval mode also keep the norm in
+a registered buffer (``DORA_NORM_BUFFER``) that is refreshed eagerly, outside any graph: when
+the module enters eval mode, after ``load_state_dict``, after every optimizer step, by
+``clear_caches`` and by eager calls that recompute the norm. A compiled (or CUDA-graphed)
+eval-mode forward reads that buffer at a fixed address.
+
+Not detectable (documented limitation): writes that bypass both the version counter and
+``torch.optim`` — ``p.data.copy_(...)``, or an optimizer that is not a ``torch.optim.Optimizer``.
+After such writes call ``dora_torch.clear_caches(model)``.
 """
 
 from __future__ import annotations
@@ -17,9 +26,32 @@ from __future__ import annotations
 import weakref
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from . import checks
 from .norm import base_sq_norm, detached_norm
+
+#: Name of the non-persistent buffer that holds the eval-mode norm on each DoRA module.
+DORA_NORM_BUFFER = "dora_norm"
+
+_optimizer_steps = 0
+#: Modules in eval mode whose norm buffer must follow optimizer steps (weak: no leak).
+_eval_modules: weakref.WeakSet = weakref.WeakSet()
+
+
+def optimizer_steps() -> int:
+    """Optimizer steps taken in this process by any ``torch.optim.Optimizer``."""
+    return _optimizer_steps
+
+
+def _count_step(_optimizer, _args, _kwargs) -> None:
+    global _optimizer_steps
+    _optimizer_steps += 1
+    for module in list(_eval_modules):
+        refresh_norm_buffer(module)
+
+
+register_optimizer_step_post_hook(_count_step)
 
 
 class _Stamp:
@@ -29,21 +61,15 @@ class _Stamp:
 
     def __init__(self, t: torch.Tensor):
         self.ref = weakref.ref(t)
-        self.meta = (t.data_ptr(), t._version, tuple(t.shape), t.dtype, t.device)
+        self.meta = (t.data_ptr(), t._version, t.shape, t.dtype)
 
     def matches(self, t: torch.Tensor) -> bool:
-        return self.ref() is t and self.meta == (
-            t.data_ptr(),
-            t._version,
-            tuple(t.shape),
-            t.dtype,
-            t.device,
-        )
+        return self.ref() is t and self.meta == (t.data_ptr(), t._version, t.shape, t.dtype)
 
 
 class NormCache:
-    """Cached ‖W‖² (keyed on W) and, per module call signature, the norm n with the adapters
-    cast to the activation dtype (keyed on W, A, B, scaling, tier, dtype) of one module."""
+    """Cached ‖W‖² (keyed on W) and the norm n with the adapters cast to the activation dtype
+    (keyed on W, A, B, scaling, tier, dtype and the optimizer-step count) of one module."""
 
     def __init__(self) -> None:
         self.clear()
@@ -54,6 +80,8 @@ class NormCache:
         self.norm_computations = 0  # how often the norm was (re)computed; for tests and logs
 
     def base_sq(self, weight: torch.Tensor) -> torch.Tensor:
+        """‖W_i‖² in the compute dtype (see ``norm.base_sq_norm``); W is frozen, so the
+        optimizer-step count is not part of this key."""
         if self._base is None or not self._base[0].matches(weight):
             with torch.inference_mode(False):  # see ``state``
                 self._base = (_Stamp(weight), base_sq_norm(weight))
@@ -63,48 +91,127 @@ class NormCache:
     def state(
         self, weight, lora_A, lora_B, scaling: float, *, impl: str, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(n, a, b): the detached fp32 norm [d_out] and lora_A, lora_B cast to ``dtype``
-        (detached; the same tensors when already in it). Recomputed only when W, A, B,
-        scaling, the tier or the dtype changed.
+        """(n, a, b): the detached norm [d_out] in the compute dtype and lora_A, lora_B cast to
+        ``dtype`` (detached; the same tensors when already in it). Recomputed only when W, A,
+        B, scaling, the tier, the dtype or the optimizer-step count changed.
 
         The casts serve every call until the next parameter update: inference calls and the
-        micro-batches of one optimizer step cast the adapters once (the fused autograd
-        Function saves them for backward instead of recasting). Memory: r·(d_in + d_out)
-        elements in ``dtype`` per layer while fp32 adapters are used with 16-bit activations
-        (none otherwise); a forward holds these casts anyway.
+        micro-batches of one optimizer step cast the adapters once (the autograd Function
+        saves them for backward instead of recasting). Memory: r·(d_in + d_out) elements in
+        ``dtype`` per layer while fp32 adapters are used with 16-bit activations (none
+        otherwise); a forward holds these casts anyway.
         """
+        key = (scaling, impl, dtype, _optimizer_steps)
         if self._state is not None:
-            (sw, sa, sb, key), value = self._state
-            if key == (scaling, impl, dtype) and sa.matches(lora_A) and sb.matches(lora_B):
-                if sw.matches(weight):
-                    return value
+            (sw, sa, sb, old_key), value = self._state
+            if old_key == key and sa.matches(lora_A) and sb.matches(lora_B) and sw.matches(weight):
+                return value
         checks.check_adapter(weight, lora_A, lora_B)  # named errors before any GEMM
         base_sq = self.base_sq(weight)
         # A value computed under torch.inference_mode() would be an inference tensor, which a
         # later training step could not save for backward (validation between training steps).
         with torch.inference_mode(False):
-            a, b = lora_A.detach().to(dtype), lora_B.detach().to(dtype)
-            # The norm's GEMM casts A to W's dtype on CUDA: reuse the cast when it is that one.
-            a_norm = a if dtype == weight.dtype and weight.is_cuda else lora_A.detach()
-            n = detached_norm(weight, a_norm, lora_B.detach(), base_sq, scaling, impl == "fused")
-        self._state = ((_Stamp(weight), _Stamp(lora_A), _Stamp(lora_B), (scaling, impl, dtype)),
-                       (n, a, b))  # fmt: skip
+            a = lora_A.detach()
+            a = a if a.dtype == dtype else a.to(dtype)
+            b = lora_B.detach()
+            b = b if b.dtype == dtype else b.to(dtype)
+            n = detached_norm(weight, lora_A.detach(), lora_B.detach(), base_sq, scaling,
+                              impl == "fused", a_cast=a)  # fmt: skip
+        self._state = ((_Stamp(weight), _Stamp(lora_A), _Stamp(lora_B), key), (n, a, b))
         self.norm_computations += 1
         return n, a, b
 
     def norm(self, weight, lora_A, lora_B, scaling: float, *, impl: str) -> torch.Tensor:
-        """Detached fp32 norm [d_out] (shares the entry of ``state`` for W's dtype)."""
+        """Detached norm [d_out] (shares the entry of ``state`` for W's dtype)."""
         return self.state(weight, lora_A, lora_B, scaling, impl=impl, dtype=weight.dtype)[0]
+
+
+def module_cache(module: torch.nn.Module) -> NormCache | None:
+    """The NormCache a DoRA module (``dora_torch.Linear``, an accelerated PEFT layer) owns."""
+    return getattr(module, "_dora_norm_cache", None)
+
+
+def attach(module: torch.nn.Module, tensors) -> NormCache:
+    """Give ``module`` a NormCache, an eval-norm buffer and the hooks that keep it fresh.
+
+    ``tensors(module)`` returns ``(weight, lora_A, lora_B, scaling, impl)`` of the adapter
+    the module computes, or None when it has none to compute (merged, disabled).
+    """
+    cache = NormCache()
+    module._dora_norm_cache = cache
+    module._dora_tensors = tensors
+    if DORA_NORM_BUFFER not in module._buffers:
+        module.register_buffer(DORA_NORM_BUFFER, torch.empty(0), persistent=False)
+    module._dora_load_hook = module.register_load_state_dict_post_hook(_after_load)
+    track_mode(module)
+    return cache
+
+
+def _after_load(module: torch.nn.Module, _incompatible_keys) -> None:
+    refresh_norm_buffer(module)
+
+
+def detach_cache(module: torch.nn.Module) -> None:
+    """Undo ``attach``."""
+    _eval_modules.discard(module)
+    handle = module.__dict__.pop("_dora_load_hook", None)
+    if handle is not None:
+        handle.remove()
+    module._buffers.pop(DORA_NORM_BUFFER, None)
+    module.__dict__.pop("_dora_norm_cache", None)
+    module.__dict__.pop("_dora_tensors", None)
+
+
+def track_mode(module: torch.nn.Module) -> None:
+    """Follow ``module.training``: in eval mode the norm buffer is refreshed now and after
+    every optimizer step; in training mode compiled graphs recompute the norm themselves."""
+    if module.training:
+        _eval_modules.discard(module)
+    else:
+        _eval_modules.add(module)
+        refresh_norm_buffer(module)
+
+
+@torch.no_grad()
+def refresh_norm_buffer(module: torch.nn.Module) -> None:
+    """Recompute (through the cache) the eval-mode norm into the module's buffer, in place
+    when the shape and dtype allow (a CUDA-graph replay keeps reading the same address)."""
+    cache = module_cache(module)
+    if cache is None or module.training:
+        return
+    found = module._dora_tensors(module)
+    if found is None:
+        return
+    weight, lora_A, lora_B, scaling, impl = found
+    with torch.inference_mode(False):
+        tier = "fused" if impl != "eager" and weight.is_cuda else "eager"
+        n = cache.norm(weight, lora_A, lora_B, scaling, impl=tier)
+        write_norm_buffer(module, n)
+
+
+def write_norm_buffer(module: torch.nn.Module, n: torch.Tensor) -> None:
+    buf = module._buffers.get(DORA_NORM_BUFFER)
+    if buf is not None and buf.shape == n.shape and buf.dtype == n.dtype and buf.device == n.device:
+        if buf is not n:
+            buf.copy_(n)
+    else:
+        module._buffers[DORA_NORM_BUFFER] = n.clone()
 
 
 def clear_caches(model: torch.nn.Module) -> int:
     """Drop every cached norm, ‖W‖² and adapter cast held by dora_torch in ``model``
-    (``dora_torch.Linear`` layers and layers accelerated by ``accelerate_peft``).
+    (``dora_torch.Linear`` layers and layers accelerated by ``accelerate_peft``) and refresh
+    the eval-mode norm buffers.
 
-    Needed only after parameter writes that bypass version counters (see the module doc).
-    Returns the number of caches cleared.
+    Needed only after parameter writes that bypass both version counters and
+    ``torch.optim`` (see the module doc). Returns the number of caches cleared.
     """
-    caches = [v for mod in model.modules() for v in vars(mod).values() if isinstance(v, NormCache)]
-    for cache in caches:
+    count = 0
+    for module in model.modules():
+        cache = module_cache(module)
+        if cache is None:
+            continue
         cache.clear()
-    return len(caches)
+        refresh_norm_buffer(module)
+        count += 1
+    return count

@@ -55,7 +55,8 @@ def check_adapter(weight, lora_A, lora_B, magnitude=None, bias=None) -> tuple[in
 
 
 def check_input(x, weight) -> None:
-    """x [..., d_in] on weight's device and in weight's dtype (the base GEMM needs both)."""
+    """x [..., d_in] on weight's device, in weight's dtype (the base GEMM needs both) unless
+    autocast is on for that device (the layer then casts both to the autocast dtype)."""
     _tensor("x", x)
     d_in = weight.shape[1]
     if x.dim() < 1 or x.shape[-1] != d_in:
@@ -65,20 +66,57 @@ def check_input(x, weight) -> None:
         )
     if x.device != weight.device:
         raise ValueError(f"x is on {x.device} but weight is on {weight.device}")
-    if x.dtype != weight.dtype:
+    if x.dtype != weight.dtype and not torch.is_autocast_enabled(x.device.type):
         raise TypeError(
             f"x has dtype {x.dtype} but weight has {weight.dtype}; cast one of them "
             "(the frozen base product runs in the activation dtype)"
         )
 
 
+def _finite_real(name: str, value) -> float:
+    """A finite real Python number (not a bool, a string or a tensor), as a float."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(
+            f"{name} must be a Python number (int or float); got {type(value).__name__} {value!r}"
+        )
+    v = float(value)
+    if v != v or v in (float("inf"), float("-inf")):
+        raise ValueError(f"{name} must be finite; got {value!r}")
+    return v
+
+
 def check_scaling(scaling) -> float:
-    if isinstance(scaling, torch.Tensor) or not isinstance(scaling, (int, float)):
-        raise TypeError(f"scaling must be a Python number; got {type(scaling).__name__}")
-    s = float(scaling)
-    if s != s or s in (float("inf"), float("-inf")):
-        raise ValueError(f"scaling must be finite; got {scaling!r}")
-    return s
+    return _finite_real("scaling", scaling)
+
+
+def check_lora_alpha(lora_alpha) -> float:
+    """PEFT's lora_alpha: a finite real number (the file format stores it as a number)."""
+    return _finite_real("lora_alpha", lora_alpha)
+
+
+def check_dropout(p, name: str = "lora_dropout") -> float:
+    """A dropout probability in [0, 1)."""
+    v = _finite_real(name, p)
+    if not 0.0 <= v < 1.0:
+        raise ValueError(f"{name} must be in [0, 1); got {p!r}")
+    return v
+
+
+def check_adapter_dtype(dtype, name: str = "adapter_dtype") -> torch.dtype | None:
+    """None (PEFT's rule, see ``adapter_dtype_for``) or a floating-point torch.dtype."""
+    if dtype is None:
+        return None
+    if not isinstance(dtype, torch.dtype) or dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name} must be None or one of {FLOAT_DTYPES}; got {dtype!r}")
+    return dtype
+
+
+def adapter_dtype_for(base_dtype: torch.dtype, adapter_dtype: torch.dtype | None) -> torch.dtype:
+    """PEFT's adapter dtype rule: the base layer's dtype, except fp32 on fp16/bf16 bases;
+    an explicit ``adapter_dtype`` wins."""
+    if adapter_dtype is not None:
+        return adapter_dtype
+    return torch.float32 if base_dtype in (torch.float16, torch.bfloat16) else base_dtype
 
 
 def check_chunk(chunk_size) -> int | None:

@@ -1,4 +1,4 @@
-"""Which tier runs a call (DESIGN §6): the rule, in one function.
+"""Which tier runs a call (docs/design.md §6): the rule, in one function.
 
 - ``"fused"``: Triton compose / backward kernels around cuBLAS GEMMs. On CUDA for fp16,
   bf16 and fp32 activations; on CPU only through the Triton interpreter (CI).

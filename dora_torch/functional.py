@@ -1,4 +1,5 @@
-"""``dora_linear``: the functional DoRA layer (any leading dims, three tiers)."""
+"""``dora_linear``: the functional DoRA layer (any leading dims, three tiers), and the module
+entry point ``module_dora_linear`` that reads the norm from a module's cache or buffer."""
 
 from __future__ import annotations
 
@@ -6,9 +7,10 @@ import torch
 import torch.nn.functional as F
 
 from . import checks, ops
-from .cache import NormCache
+from .cache import DORA_NORM_BUFFER, NormCache, write_norm_buffer
 from .config import EPS
 from .dispatch import resolve_impl
+from .matmul import compute_dtype
 from .norm import factored_norm
 
 
@@ -36,36 +38,34 @@ def dora_linear(
       lora_A: [r, d_in]; lora_B: [d_out, r]; magnitude: [d_out]. Any float dtype (fp32 like
         PEFT's default is fine: the adapter products run in x's dtype with fp32 accumulation,
         gradients come back in each parameter's dtype).
-      scaling: s = alpha / r (alpha / sqrt(r) with rsLoRA).
+      scaling: s = lora_alpha / r (lora_alpha / sqrt(r) with rsLoRA).
       bias: [d_out] or None; not scaled by g.
-      dropout_p, training: adapter dropout with PEFT's semantics (DESIGN §1) when training.
+      dropout_p, training: adapter dropout with PEFT's semantics (docs/design.md §1) when
+        training.
       impl: "auto" | "fused" | "eager" (see ``dora_torch.dispatch``).
-      exact_norm_grad: also backpropagate through the norm (DESIGN §2); default detached.
-      norm: optional precomputed norm, fp32 [d_out] (modules pass their cached one); ignored
-        with exact_norm_grad.
-      base_sq: optional cached ‖W_i‖², fp32 [d_out], used when the norm is computed here.
+      exact_norm_grad: also backpropagate through the norm (docs/design.md §2); default
+        detached.
+      norm: optional precomputed detached norm [d_out] in the compute dtype (fp32; float64
+        for float64 inputs); ignored with exact_norm_grad.
+      base_sq: optional cached ‖W_i‖² [d_out] in the compute dtype, used when the norm is
+        computed here.
 
-    Returns [..., d_out] in x's dtype.
+    Returns [..., d_out] in x's dtype. Norm, composition and reductions run in
+    promote(fp32, x's dtype): float64 inputs give float64-accurate results.
     """
+    checks.check_adapter(weight, lora_A, lora_B, magnitude, bias)
+    checks.check_input(x, weight)
+    s = checks.check_scaling(scaling)
+    p = checks.check_dropout(dropout_p, "dropout_p")
     return _dora_linear(
-        x,
-        weight,
-        lora_A,
-        lora_B,
-        magnitude,
-        scaling,
-        bias,
-        dropout_p=dropout_p,
-        training=training,
-        impl=impl,
-        exact_norm_grad=exact_norm_grad,
-        norm=norm,
-        base_sq=base_sq,
-    )[0]
+        x, weight, lora_A, lora_B, magnitude, s, bias, dropout_p=p, training=training,
+        impl=impl, exact_norm_grad=exact_norm_grad, norm=norm, base_sq=base_sq,
+    )[0]  # fmt: skip
 
 
 def module_dora_linear(
     cache: NormCache,
+    module: torch.nn.Module,
     x,
     weight,
     lora_A,
@@ -80,37 +80,44 @@ def module_dora_linear(
     exact_norm_grad: bool = False,
 ) -> tuple[torch.Tensor, str]:
     """``dora_linear`` for a module that owns ``cache`` (``dora_torch.Linear`` and PEFT layers
-    under ``accelerate_peft``): the norm, ‖W‖² and the adapter casts come from the cache,
-    so they are computed once per parameter update. Returns (y, tier)."""
-    norm = base_sq = adapters = None
-    # The cache reads version counters: outside compiled graphs only (a compiled module
-    # recomputes the norm inside its graph). Bad inputs fall through to dora_linear's errors.
-    if not torch.compiler.is_compiling() and isinstance(x, torch.Tensor):
-        if exact_norm_grad:
-            base_sq = cache.base_sq(weight)  # W is frozen: read it once
-        elif x.is_floating_point():
-            impl = resolve_impl(impl, x, weight.shape[0])  # resolved once per call
-            if torch.is_autocast_enabled(x.device.type):  # the dtype is chosen inside
-                norm = cache.norm(weight, lora_A, lora_B, scaling, impl=impl)
-            else:
-                norm, a, b = cache.state(weight, lora_A, lora_B, scaling, impl=impl, dtype=x.dtype)
-                adapters = (a, b)
+    under ``accelerate_peft``), with arguments the module validated when it was built. Eager
+    calls take the norm, ‖W‖² and the adapter casts from the cache (computed once per
+    parameter update). Compiled graphs cannot run the cache's checks: in eval mode they read
+    the module's norm buffer (refreshed eagerly, ``dora_torch.cache``); in training mode they
+    compute the norm in the graph. Returns (y, tier)."""
+    checks.check_input(x, weight)
+    if exact_norm_grad:
+        base_sq = None if torch.compiler.is_compiling() else cache.base_sq(weight)
+        return _dora_linear(
+            x, weight, lora_A, lora_B, magnitude, scaling, bias, dropout_p=dropout_p,
+            training=training, impl=impl, exact_norm_grad=True, base_sq=base_sq,
+        )  # fmt: skip
+    if torch.is_autocast_enabled(x.device.type):  # the dtype is chosen inside
+        tier = resolve_impl(impl, x, weight.shape[0])
+        norm = cache.norm(weight, lora_A, lora_B, scaling, impl=tier)
+        return _dora_linear(
+            x, weight, lora_A, lora_B, magnitude, scaling, bias, dropout_p=dropout_p,
+            training=training, impl=tier, norm=norm,
+        )  # fmt: skip
+    tier = resolve_impl(impl, x, weight.shape[0])
+    if torch.compiler.is_compiling():
+        norm = getattr(module, DORA_NORM_BUFFER, None) if not module.training else None
+        if norm is not None and (
+            norm.shape != magnitude.shape or norm.dtype != compute_dtype(weight.dtype)
+        ):
+            norm = None  # never refreshed, or cast by module.to(dtype): compute it here
+        return _dora_linear(
+            x, weight, lora_A, lora_B, magnitude, scaling, bias, dropout_p=dropout_p,
+            training=training, impl=tier, norm=norm,
+        )  # fmt: skip
+    computed = cache.norm_computations
+    norm, a, b = cache.state(weight, lora_A, lora_B, scaling, impl=tier, dtype=x.dtype)
+    if computed != cache.norm_computations and not module.training:
+        write_norm_buffer(module, norm)  # eager eval calls keep the compiled graphs' copy fresh
     return _dora_linear(
-        x,
-        weight,
-        lora_A,
-        lora_B,
-        magnitude,
-        scaling,
-        bias,
-        dropout_p=dropout_p,
-        training=training,
-        impl=impl,
-        exact_norm_grad=exact_norm_grad,
-        norm=norm,
-        base_sq=base_sq,
-        adapters=adapters,
-    )
+        x, weight, lora_A, lora_B, magnitude, scaling, bias, dropout_p=dropout_p,
+        training=training, impl=tier, norm=norm, adapters=(a, b),
+    )  # fmt: skip
 
 
 def _dora_linear(
@@ -119,7 +126,7 @@ def _dora_linear(
     lora_A,
     lora_B,
     magnitude,
-    scaling,
+    scaling: float,
     bias=None,
     *,
     dropout_p=0.0,
@@ -130,52 +137,46 @@ def _dora_linear(
     base_sq=None,
     adapters=None,
 ) -> tuple[torch.Tensor, str]:
-    """``dora_linear`` that also returns the tier that ran. ``adapters``: optional (a, b),
-    lora_A and lora_B already cast to x's dtype and detached (a module cache's casts)."""
-    if x.is_floating_point() and torch.is_autocast_enabled(x.device.type):
+    """The layer on validated arguments; also returns the tier that ran. ``adapters``:
+    optional (a, b), lora_A and lora_B already cast to x's dtype and detached."""
+    if torch.is_autocast_enabled(x.device.type):
         # Under autocast, run the whole layer in the autocast dtype with autocast off (as
         # nn.Linear's matmuls would), so every product inside sees one activation dtype.
         dt = torch.get_autocast_dtype(x.device.type)
         with torch.autocast(x.device.type, enabled=False):
             return _dora_linear(
-                x.to(dt),
-                weight.to(dt),
-                lora_A,
-                lora_B,
-                magnitude,
-                scaling,
-                None if bias is None else bias.to(dt),
-                dropout_p=dropout_p,
-                training=training,
-                impl=impl,
-                exact_norm_grad=exact_norm_grad,
-                norm=norm,
-                base_sq=base_sq,
-            )
-    d_out, d_in, _ = checks.check_adapter(weight, lora_A, lora_B, magnitude, bias)
-    checks.check_input(x, weight)
-    s = checks.check_scaling(scaling)
-    if not (0.0 <= float(dropout_p) < 1.0):
-        raise ValueError(f"dropout_p must be in [0, 1); got {dropout_p!r}")
+                x.to(dt), weight.to(dt), lora_A, lora_B, magnitude, scaling,
+                None if bias is None else bias.to(dt), dropout_p=dropout_p, training=training,
+                impl=impl, exact_norm_grad=exact_norm_grad, norm=norm, base_sq=base_sq,
+            )  # fmt: skip
+    d_out, d_in = weight.shape
     tier = resolve_impl(impl, x, d_out)
-
+    acc = compute_dtype(weight.dtype)
     if exact_norm_grad:
-        n = factored_norm(weight, lora_A, lora_B, s, base_sq=base_sq, impl=tier).clamp_min(EPS)
+        n = factored_norm(weight, lora_A, lora_B, scaling, base_sq=base_sq, impl=tier)
+        n = n.clamp_min(EPS)
     elif norm is None:
         with torch.no_grad():
-            n = factored_norm(weight, lora_A, lora_B, s, base_sq=base_sq, impl=tier)
+            n = factored_norm(weight, lora_A, lora_B, scaling, base_sq=base_sq, impl=tier)
     else:
-        if tuple(norm.shape) != (d_out,) or norm.dtype != torch.float32:
+        if norm.shape != magnitude.shape or norm.dtype != acc:
+            want = "fp32" if acc == torch.float32 else str(acc).removeprefix("torch.")
             raise ValueError(
-                f"norm must be fp32 of shape ({d_out},); got {norm.dtype} {tuple(norm.shape)}"
+                f"norm must be {want} of shape ({d_out},) (the compute dtype of {x.dtype} "
+                f"inputs); got {norm.dtype} {tuple(norm.shape)}"
             )
         n = norm.detach()
 
     lead = x.shape[:-1]
     x2 = x.reshape(-1, d_in)
     x_d = F.dropout(x2, float(dropout_p), training=True) if training and dropout_p > 0 else None
-    needs_grad = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (x, lora_A, lora_B, magnitude, bias, n)
+    needs_grad = torch.is_grad_enabled() and (
+        x.requires_grad
+        or lora_A.requires_grad
+        or lora_B.requires_grad
+        or magnitude.requires_grad
+        or n.requires_grad
+        or (bias is not None and bias.requires_grad)
     )
     if not needs_grad:
         save = ops.SAVE_NONE
@@ -183,15 +184,16 @@ def _dora_linear(
         save = ops.SAVE_RECOVER  # see ops: when recovering inner from y is sound
     else:
         save = ops.SAVE_INNER
+    opts = ops.LinearOptions(scaling, tier, save)
     w = weight.detach()
-    if torch.compiler.is_compiling():
-        args = (x2, x_d, w, lora_A, lora_B, magnitude, n, bias, s, tier, save)
-        y = torch.ops.dora_torch.linear_forward(*args)[0]
+    a, b = adapters or (_cast(lora_A, x.dtype), _cast(lora_B, x.dtype))
+    if save == ops.SAVE_NONE:  # no autograd bookkeeping at all
+        y = ops.forward_core(x2, x_d, w, a, b, magnitude, n, bias, opts)[0]
     else:
-        a, b = adapters or (lora_A.detach().to(x.dtype), lora_B.detach().to(x.dtype))
-        if save == ops.SAVE_NONE:  # no autograd bookkeeping at all
-            y = ops.forward_core(x2, x_d, w, a, b, magnitude, n, bias, s, tier, save)[0]
-        else:
-            args = (x2, x_d, w, lora_A, lora_B, magnitude, n, bias, s, tier, save, a, b)
-            y = ops.LinearFunction.apply(*args)
+        y = ops.LinearFunction.apply(x2, x_d, w, lora_A, lora_B, magnitude, n, bias, a, b, opts)
     return y.reshape(*lead, d_out), tier
+
+
+def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    t = t.detach()
+    return t if t.dtype == dtype else t.to(dtype)

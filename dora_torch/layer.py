@@ -8,10 +8,11 @@ suffixes, which the interop layer maps):
   lora_B [out, r]                trainable  PEFT: lora_B.<name>.weight
   lora_magnitude_vector [out]    trainable  PEFT: lora_magnitude_vector.<name>.weight
 
-Adapters default to fp32 (PEFT's default); they are cast to the activation dtype once per
-parameter update (the module's cache keeps the casts with the norm). Initialisation as
-PEFT: A kaiming-uniform(a=√5), B = 0, m = ‖W + s·B·A‖_row (= ‖W‖_row), so a fresh layer
-reproduces the base layer.
+Adapter dtype follows PEFT's rule: the base layer's dtype, except fp32 on fp16/bf16 bases
+(``adapter_dtype`` overrides it). Adapters are cast to the activation dtype once per
+parameter update (the module's cache keeps the casts with the norm; docs/design.md §8).
+Initialisation as PEFT: A kaiming-uniform(a=√5), B = 0, m = ‖W + s·B·A‖_row (= ‖W‖_row), so
+a fresh layer reproduces the base layer.
 """
 
 from __future__ import annotations
@@ -24,8 +25,7 @@ from torch.nn import functional as F
 
 from shared_spec import scaling_for as spec_scaling_for
 
-from . import checks
-from .cache import NormCache
+from . import cache, checks
 from .functional import module_dora_linear
 from .merge import merge_weight, unmerge_weight
 from .norm import factored_norm
@@ -33,8 +33,11 @@ from .norm import factored_norm
 
 def scaling_for(r: int, lora_alpha: float, use_rslora: bool = False) -> float:
     """s = alpha / r, or alpha / sqrt(r) with rsLoRA (PEFT's convention; the spec's rule)."""
-    if isinstance(r, bool) or not isinstance(r, int):
+    if isinstance(r, bool) or not isinstance(r, int) or r < 1:
         raise ValueError(f"r must be a positive int; got {r!r}")
+    lora_alpha = checks.check_lora_alpha(lora_alpha)
+    if not isinstance(use_rslora, bool):
+        raise TypeError(f"use_rslora must be a bool; got {use_rslora!r}")
     return spec_scaling_for(r, lora_alpha, use_rslora)
 
 
@@ -42,8 +45,10 @@ class Linear(nn.Module):
     """DoRA linear layer. x [..., in_features] → [..., out_features] in x's dtype.
 
     Keyword options: r, lora_alpha, use_rslora, lora_dropout (PEFT semantics), bias,
-    device, dtype (of the base weight/bias), adapter_dtype (default fp32), impl ("auto" |
-    "fused" | "eager"), exact_norm_grad. ``last_impl`` records the tier of the last call.
+    device, dtype (of the base weight/bias), adapter_dtype (default None: PEFT's rule, the
+    base dtype except fp32 on fp16/bf16 bases), impl ("auto" | "fused" | "eager"),
+    exact_norm_grad. ``last_impl`` records the tier of the last call (eager calls).
+    Every argument is validated before anything is built or frozen.
     """
 
     def __init__(
@@ -58,11 +63,12 @@ class Linear(nn.Module):
         bias: bool = True,
         device=None,
         dtype=None,
-        adapter_dtype: torch.dtype = torch.float32,
+        adapter_dtype: torch.dtype | None = None,
         impl: str = "auto",
         exact_norm_grad: bool = False,
     ):
         super().__init__()
+        _validate(r, lora_alpha, use_rslora, lora_dropout, adapter_dtype, impl)
         base = nn.Linear(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self._setup(
             base.weight,
@@ -85,14 +91,17 @@ class Linear(nn.Module):
         lora_alpha: float,
         use_rslora: bool = False,
         lora_dropout: float = 0.0,
-        adapter_dtype: torch.dtype = torch.float32,
+        adapter_dtype: torch.dtype | None = None,
         impl: str = "auto",
         exact_norm_grad: bool = False,
     ) -> Linear:
         """Wrap an existing ``nn.Linear``: its weight and bias Parameters are shared (not
-        copied) and frozen."""
+        copied) and frozen. Atomic: a bad argument raises before ``linear`` is touched."""
         if not isinstance(linear, nn.Linear):
             raise TypeError(f"linear must be a torch.nn.Linear; got {type(linear).__name__}")
+        if linear.weight.dtype not in checks.FLOAT_DTYPES:
+            raise TypeError(f"linear.weight must be floating point; got {linear.weight.dtype}")
+        _validate(r, lora_alpha, use_rslora, lora_dropout, adapter_dtype, impl)
         self = cls.__new__(cls)
         nn.Module.__init__(self)
         self._setup(
@@ -122,29 +131,39 @@ class Linear(nn.Module):
         exact_norm_grad,
     ):
         self.scaling = scaling_for(r, lora_alpha, use_rslora)
-        if not (0.0 <= float(lora_dropout) < 1.0):
-            raise ValueError(f"lora_dropout must be in [0, 1); got {lora_dropout!r}")
         self.r, self.lora_alpha, self.use_rslora = r, lora_alpha, use_rslora
-        self.lora_dropout = float(lora_dropout)
+        self.lora_dropout = checks.check_dropout(lora_dropout)
         self.impl = checks.check_impl(impl)
         self.exact_norm_grad = bool(exact_norm_grad)
         self.out_features, self.in_features = weight.shape
+        kw = {
+            "device": weight.device,
+            "dtype": checks.adapter_dtype_for(weight.dtype, adapter_dtype),
+        }
+        lora_A = nn.Parameter(torch.empty(r, self.in_features, **kw))
+        lora_B = nn.Parameter(torch.zeros(self.out_features, r, **kw))
+        nn.init.kaiming_uniform_(lora_A, a=math.sqrt(5))
+        with torch.no_grad():
+            m = factored_norm(weight, lora_A, lora_B, self.scaling, impl="eager")
+        # Nothing above touched the base layer; from here on nothing can fail.
         weight.requires_grad_(False)
         self.weight = weight
         if bias is not None:
             bias.requires_grad_(False)
         self.bias = bias
-        kw = {"device": weight.device, "dtype": adapter_dtype}
-        self.lora_A = nn.Parameter(torch.empty(r, self.in_features, **kw))
-        self.lora_B = nn.Parameter(torch.zeros(self.out_features, r, **kw))
-        nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
-        self._norm_cache = NormCache()
-        with torch.no_grad():
-            m = factored_norm(weight, self.lora_A, self.lora_B, self.scaling, impl="eager")
-        self.lora_magnitude_vector = nn.Parameter(m.to(adapter_dtype))
+        self.lora_A, self.lora_B = lora_A, lora_B
+        self.lora_magnitude_vector = nn.Parameter(m.to(kw["dtype"]))
         self.merged = False
         self._merge_norm: torch.Tensor | None = None
         self.last_impl: str | None = None
+        cache.attach(self, Linear._dora_tensors_of)
+
+    @staticmethod
+    def _dora_tensors_of(layer: Linear):
+        """(W, A, B, s, impl) for the norm cache; None while merged (no norm is used)."""
+        if layer.merged:
+            return None
+        return layer.weight, layer.lora_A, layer.lora_B, layer.scaling, layer.impl
 
     def extra_repr(self) -> str:
         return (
@@ -154,15 +173,24 @@ class Linear(nn.Module):
         )
 
     def norm(self, *, impl: str = "auto") -> torch.Tensor:
-        """The current detached norm ‖W + s·B·A‖_row, fp32 [out] (cached)."""
-        return self._norm_cache.norm(self.weight, self.lora_A, self.lora_B, self.scaling, impl=impl)
+        """The current detached norm ‖W + s·B·A‖_row [out] in the compute dtype (cached)."""
+        return self._dora_norm_cache.norm(
+            self.weight, self.lora_A, self.lora_B, self.scaling, impl=impl
+        )
+
+    def train(self, mode: bool = True) -> Linear:
+        super().train(mode)
+        cache.track_mode(self)  # eval: the compiled graphs' norm buffer is refreshed now
+        return self
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.merged:
+            checks.check_input(x, self.weight)
             self.last_impl = "merged"
             return F.linear(x, self.weight, self.bias)
         y, tier = module_dora_linear(
-            self._norm_cache,
+            self._dora_norm_cache,
+            self,
             x,
             self.weight,
             self.lora_A,
@@ -215,3 +243,12 @@ class Linear(nn.Module):
         )
         self._merge_norm = None
         self.merged = False
+        cache.track_mode(self)
+
+
+def _validate(r, lora_alpha, use_rslora, lora_dropout, adapter_dtype, impl) -> None:
+    """Every constructor argument, before anything is built or frozen (named errors)."""
+    scaling_for(r, lora_alpha, use_rslora)
+    checks.check_dropout(lora_dropout)
+    checks.check_adapter_dtype(adapter_dtype)
+    checks.check_impl(impl)

@@ -5,6 +5,12 @@ from __future__ import annotations
 import torch
 
 
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype norms, compositions and reductions run in: promote(fp32, dtype) — fp32 for
+    fp16, bf16 and fp32 inputs, float64 for float64 (docs/design.md §5)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 def mm_out(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``a @ b`` returned in ``dtype``, with fp32 accumulation.
 

@@ -4,7 +4,8 @@
 
 n is the norm of the UNMERGED weight; it cannot be read back from the merged one, so
 ``unmerge_weight`` takes the n cached at merge time. Rows are processed in chunks so the
-fp32 transient is at most ``config.NORM_CHUNK`` rows of W.
+transient (in the compute dtype: fp32, or float64 for float64) is at most
+``config.NORM_CHUNK`` rows of W.
 """
 
 from __future__ import annotations
@@ -13,15 +14,17 @@ import torch
 
 from . import config
 from .compose import magnitude_scale
+from .matmul import compute_dtype
 
 
 @torch.no_grad()
 def _rowwise(weight, lora_A, lora_B, fn) -> torch.Tensor:
     out = torch.empty_like(weight)
-    a = lora_A.float()
+    acc = compute_dtype(weight.dtype)
+    a = lora_A.to(acc)
     for i in range(0, weight.shape[0], config.NORM_CHUNK):
         rows = slice(i, i + config.NORM_CHUNK)
-        out[rows] = fn(rows, weight[rows].float(), lora_B[rows].float() @ a).to(weight.dtype)
+        out[rows] = fn(rows, weight[rows].to(acc), lora_B[rows].to(acc) @ a).to(weight.dtype)
     return out
 
 

@@ -1,26 +1,26 @@
-"""The factored DoRA norm (DESIGN §2): never builds B·A.
+"""The factored DoRA norm (docs/design.md §2): never builds B·A.
 
     n_i² = ‖W_i‖² + 2s·Σ_j B_ij U_ij + s²·Σ_jk B_ij G_jk B_ik,   U = W Aᵀ, G = A Aᵀ
 
-All intermediates are O(d_out·r + r²) and fp32; without a gradient U is formed for
-``config.NORM_ROW_CHUNK`` rows at a time. ``‖W‖²`` is the frozen part (callers cache it).
-U and G come from GEMMs: on CUDA with a 16-bit weight, ``W @ A_cᵀ`` with A cast to the
-weight's dtype and fp32 accumulation/output (the adapter dtype policy, DESIGN §5);
-elsewhere W is upcast to fp32 in chunks of d_in. The assembly is one Triton kernel (fused
-tier) or a few torch ops (eager tier).
+All intermediates are O(d_out·r + r²), in the compute dtype promote(fp32, W's dtype) (fp32;
+float64 for a float64 W); without a gradient U is formed for ``config.NORM_ROW_CHUNK`` rows
+at a time. ``‖W‖²`` is the frozen part (callers cache it). Precision rule, the same in both
+backends (docs/design.md §5): A is rounded to W's dtype (it meets W in the U GEMM, and G is
+formed from the same rounded A, with fp32 accumulation); B enters the assembly at the compute
+precision. The assembly is one Triton kernel (fused tier) or a few torch ops (eager tier).
 
 ``factored_norm`` is differentiable in lora_A and lora_B with the exact, cheap gradient
-(DESIGN §2), which is how ``exact_norm_grad=True`` is implemented: with c = (dL/dn) / n,
+(docs/design.md §2), which is how ``exact_norm_grad=True`` is implemented: with
+c = (dL/dn) / n,
 
-    dB = c ⊙_rows (s·U + s²·B G),   dA = s·(c ⊙_rows B)ᵀ W + s²·(Bᵀ diag(c) B) A
-"""
+    dB = c ⊙_rows (s·U + s²·B G),   dA = s·(c ⊙_rows B)ᵀ W + s²·(Bᵀ diag(c) B) A"""
 
 from __future__ import annotations
 
 import torch
 
 from . import checks, config
-from .matmul import mm_out
+from .matmul import compute_dtype, mm_out
 
 
 def _columns(d_in: int, chunk: int | None):
@@ -41,86 +41,94 @@ def _fast_lowp(weight: torch.Tensor) -> bool:
     return weight.is_cuda and weight.dtype in (torch.bfloat16, torch.float16)
 
 
+def rounded_a(lora_A: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """A as the norm uses it (docs/design.md §5): detached and rounded to W's dtype."""
+    a = lora_A.detach()
+    return a if a.dtype == weight.dtype else a.to(weight.dtype)
+
+
 @torch.no_grad()
 def base_sq_norm(weight: torch.Tensor, *, chunk_size: int | None = None) -> torch.Tensor:
-    """‖W_i‖² per row: fp32 [d_out] from weight [d_out, d_in] (fp32 accumulation)."""
+    """‖W_i‖² per row, [d_out] in the compute dtype (fp32; float64 for a float64 W)."""
     if weight.dim() != 2:
         raise ValueError(f"weight must be 2-D [d_out, d_in]; got shape {tuple(weight.shape)}")
-    # vector_norm(dtype=fp32) upcasts inside the reduction, so no chunk of W is ever copied:
-    # chunking only adds launches unless the caller asks for it. fp64 is reduced in fp64 (the
-    # op refuses to narrow), then rounded to the fp32 the norm is kept in.
+    # vector_norm(dtype=...) upcasts inside the reduction, so no chunk of W is ever copied:
+    # chunking only adds launches unless the caller asks for it.
     chunk = checks.check_chunk(chunk_size)
-    acc = None if weight.dtype == torch.float64 else torch.float32
+    acc = compute_dtype(weight.dtype)
     parts = [
         torch.linalg.vector_norm(weight[:, c], dim=1, dtype=acc).square()
         for c in _columns(weight.shape[1], chunk)
     ]
-    return _sum(parts).float()
+    return _sum(parts)
+
+
+def _products(weight, a, *, chunk_size=None, want_u: bool = True, want_g: bool = True):
+    """(U = W aᵀ [d_out, r] or None, G = a aᵀ [r, r] or None) in the compute dtype, with a
+    already rounded to W's dtype. On CUDA with a 16-bit W the GEMMs run in W's dtype with
+    fp32 accumulation and output; elsewhere W and a are upcast (W in chunks of d_in, which
+    bounds the copy; an fp32/fp64 W needs no copy, so no chunks unless asked for)."""
+    d_in = weight.shape[1]
+    lowp = _fast_lowp(weight)
+    acc = torch.float32 if lowp else compute_dtype(weight.dtype)
+    if lowp:
+
+        def prod(p, q):
+            return mm_out(p, q, torch.float32)
+    else:
+
+        def prod(p, q):
+            return p.to(acc) @ q.to(acc)
+
+    default = None if lowp or weight.dtype == acc else config.NORM_CHUNK
+    cols = _columns(d_in, chunk_size or default)
+    U = _sum(prod(weight[:, c], a[:, c].t()) for c in cols) if want_u else None
+    G = _sum(prod(a[:, c], a[:, c].t()) for c in cols) if want_g else None
+    return U, G
 
 
 def gram(lora_A, weight, *, chunk_size=None) -> torch.Tensor:
-    """G = A Aᵀ, fp32 [r, r] (A in weight's dtype on CUDA with a 16-bit weight, else fp32)."""
-    if _fast_lowp(weight):
-        a = lora_A.detach().to(weight.dtype)
-        if chunk_size is None:
-            return mm_out(a, a.t(), torch.float32)
-        return _sum(
-            mm_out(a[:, c], a[:, c].t(), torch.float32) for c in _columns(a.shape[1], chunk_size)
-        )
-    r, d_in = lora_A.shape
-    G = torch.zeros(r, r, dtype=torch.float32, device=weight.device)
-    for c in _columns(d_in, chunk_size or config.NORM_CHUNK):
-        a = lora_A.detach()[:, c].float()
-        G += a @ a.t()
-    return G
+    """G = A Aᵀ [r, r] in the compute dtype, A rounded to W's dtype (docs/design.md §5)."""
+    return _products(weight, rounded_a(lora_A, weight), chunk_size=chunk_size, want_u=False)[1]
 
 
 def cross_terms(weight, lora_A, *, chunk_size=None) -> torch.Tensor:
-    """U = W Aᵀ, fp32 [d_out, r], accumulated over d_in chunks."""
-    d_out, d_in = weight.shape
-    if _fast_lowp(weight):
-        a = lora_A.detach().to(weight.dtype)
-        if chunk_size is None:
-            return mm_out(weight, a.t(), torch.float32)
-        return _sum(
-            mm_out(weight[:, c], a[:, c].t(), torch.float32) for c in _columns(d_in, chunk_size)
-        )
-    # Upcast W in chunks of d_in (bounds the fp32 copy); an fp32 W needs no copy, so no chunks.
-    default = None if weight.dtype == torch.float32 else config.NORM_CHUNK
-    U = torch.zeros(d_out, lora_A.shape[0], dtype=torch.float32, device=weight.device)
-    for c in _columns(d_in, chunk_size or default):
-        U += weight[:, c].float() @ lora_A.detach()[:, c].float().t()
-    return U
+    """U = W Aᵀ [d_out, r] in the compute dtype, A rounded to W's dtype."""
+    return _products(weight, rounded_a(lora_A, weight), chunk_size=chunk_size, want_g=False)[0]
 
 
 def assemble(base_sq, U, lora_B, G, scaling: float, *, fused: bool) -> torch.Tensor:
-    """n = sqrt(max(base_sq + 2s·Σ B⊙U + s²·Σ (B G)⊙B, 0)), fp32 [d_out]."""
-    if fused:
+    """n = sqrt(max(base_sq + 2s·Σ B⊙U + s²·Σ (B G)⊙B, 0)), [d_out] in U's dtype. B enters
+    at U's precision (≥ fp32), never rounded to the activation dtype."""
+    if fused and U.dtype == torch.float32:
         from .kernels.norm import assemble_norm
 
         return assemble_norm(base_sq, U, lora_B.detach(), G, scaling)
-    b = lora_B.detach().float()
+    b = lora_B.detach().to(U.dtype)
     sq = base_sq + 2.0 * scaling * (b * U).sum(1) + scaling * scaling * ((b @ G) * b).sum(1)
     return sq.clamp_min(0.0).sqrt()
 
 
-def detached_norm(weight, lora_A, lora_B, base_sq, scaling: float, fused: bool, chunk_size=None):
-    """The norm without a graph or argument checks (callers validated them): fp32 [d_out].
+def detached_norm(
+    weight, lora_A, lora_B, base_sq, scaling: float, fused: bool, chunk_size=None, *, a_cast=None
+):
+    """The norm without a graph or argument checks (callers validated them), [d_out] in the
+    compute dtype. ``a_cast``: lora_A already cast to some dtype (a module cache's cast),
+    reused when that is W's dtype.
 
     U only ever exists for ``config.NORM_ROW_CHUNK`` rows at a time (bounded transient).
-    On CUDA with a 16-bit W, lora_A may already be in W's dtype (the cast is then free).
     """
-    if _fast_lowp(weight):
-        lora_A = lora_A.detach().to(weight.dtype)  # cast once for G and every block of U
-    G = gram(lora_A, weight, chunk_size=chunk_size)
+    a = a_cast if a_cast is not None and a_cast.dtype == weight.dtype else None
+    a = rounded_a(lora_A, weight) if a is None else a
     step = config.NORM_ROW_CHUNK
     if weight.shape[0] <= step:  # the common case: one block, no slicing
-        U = cross_terms(weight, lora_A, chunk_size=chunk_size)
+        U, G = _products(weight, a, chunk_size=chunk_size)
         return assemble(base_sq, U, lora_B, G, scaling, fused=fused)
+    G = _products(weight, a, chunk_size=chunk_size, want_u=False)[1]
     out = []
     for i in range(0, weight.shape[0], step):
         rows = slice(i, i + step)
-        U = cross_terms(weight[rows], lora_A, chunk_size=chunk_size)
+        U = _products(weight[rows], a, chunk_size=chunk_size, want_g=False)[0]
         out.append(assemble(base_sq[rows], U, lora_B[rows], G, scaling, fused=fused))
     return torch.cat(out)
 
@@ -130,8 +138,7 @@ class _FactoredNorm(torch.autograd.Function):
     def forward(ctx, weight, lora_A, lora_B, base_sq, scaling, chunk_size, fused):
         ctx.scaling = scaling
         if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
-            U = cross_terms(weight, lora_A, chunk_size=chunk_size)
-            G = gram(lora_A, weight, chunk_size=chunk_size)
+            U, G = _products(weight, rounded_a(lora_A, weight), chunk_size=chunk_size)
             n = assemble(base_sq, U, lora_B, G, scaling, fused=fused)
             ctx.save_for_backward(weight, lora_A, lora_B, U, G, n)
             return n
@@ -140,16 +147,17 @@ class _FactoredNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dn):
         weight, lora_A, lora_B, U, G, n = ctx.saved_tensors
-        s = ctx.scaling
-        c = torch.where(n >= config.EPS, dn.float() / n.clamp_min(config.EPS), 0.0)
-        b = lora_B.float()
+        s, acc = ctx.scaling, n.dtype
+        c = torch.where(n >= config.EPS, dn.to(acc) / n.clamp_min(config.EPS), 0.0)
+        b = lora_B.to(acc)
         cb = c[:, None] * b
         dA = dB = None
         if ctx.needs_input_grad[2]:
             dB = (c[:, None] * (s * U + (s * s) * (b @ G))).to(lora_B.dtype)
         if ctx.needs_input_grad[1]:
-            cross = mm_out(cb.to(weight.dtype).t().contiguous(), weight, torch.float32)
-            dA = (s * cross + (s * s) * ((b.t() @ cb) @ lora_A.float())).to(lora_A.dtype)
+            cross = mm_out(cb.to(weight.dtype).t().contiguous(), weight, acc)
+            a = rounded_a(lora_A, weight).to(acc)
+            dA = (s * cross + (s * s) * ((b.t() @ cb) @ a)).to(lora_A.dtype)
         return None, dA, dB, None, None, None, None
 
 
@@ -169,13 +177,13 @@ def factored_norm(
       weight: [d_out, d_in] (frozen; no gradient flows to it).
       lora_A: [r, d_in]. lora_B: [d_out, r]. Any float dtypes, on weight's device.
       scaling: s (a Python number).
-      base_sq: optional cached ‖W_i‖², fp32 [d_out].
+      base_sq: optional cached ‖W_i‖² [d_out] in the compute dtype.
       chunk_size: accumulate over slices of d_in of this width (bounds the transient).
       impl: "auto" (Triton assembly on CUDA), "fused" or "eager".
 
-    Returns fp32 [d_out], the true norm (≥ 0; clamp with ``magnitude_scale``). Differentiable
-    in lora_A and lora_B (exact DESIGN §2 gradient); wrap in ``torch.no_grad()`` or detach
-    for the usual detached-norm DoRA.
+    Returns [d_out] in the compute dtype promote(fp32, W's dtype): the true norm (≥ 0; clamp
+    with ``magnitude_scale``). Differentiable in lora_A and lora_B (exact docs/design.md §2
+    gradient); wrap in ``torch.no_grad()`` or detach for the usual detached-norm DoRA.
     """
     d_out, _, _ = checks.check_adapter(weight, lora_A, lora_B)
     s = checks.check_scaling(scaling)
@@ -183,10 +191,12 @@ def factored_norm(
     checks.check_impl(impl)
     if base_sq is None:
         base_sq = base_sq_norm(weight, chunk_size=chunk)
-    elif tuple(base_sq.shape) != (d_out,) or base_sq.dtype != torch.float32:
+    elif tuple(base_sq.shape) != (d_out,) or base_sq.dtype != compute_dtype(weight.dtype):
         raise ValueError(
-            f"base_sq must be fp32 of shape ({d_out},); got {base_sq.dtype} {tuple(base_sq.shape)}"
+            f"base_sq must be {compute_dtype(weight.dtype)} of shape ({d_out},); got "
+            f"{base_sq.dtype} {tuple(base_sq.shape)}"
         )
+    # The Triton assembly is fp32: a float64 norm is always assembled by torch ops.
     fused = impl == "fused" or (impl == "auto" and weight.is_cuda)
     if not (torch.is_grad_enabled() and (lora_A.requires_grad or lora_B.requires_grad)):
         # No graph needed: skip the autograd.Function's host overhead (the common case).

@@ -1,4 +1,4 @@
-"""Composition of base and adapter outputs (DESIGN §3) and the eps policy.
+"""Composition of base and adapter outputs (docs/design.md §3) and the eps policy.
 
 Eps policy: the norm is clamped from below, ``g = m / max(n, eps)`` with
 ``eps = EPS = 1e-12`` (absolute, in the fp32/fp64 norm domain). A row whose

@@ -1,4 +1,4 @@
-"""The DoRA linear layer: forward and vector-Jacobian product (DESIGN §1, §2, §4).
+"""The DoRA linear layer: forward and vector-Jacobian product (docs/design.md §1, §2, §4).
 
     n = ||W + s·B·A||_row        (treated as a constant by default: detached)
     g = m / max(n, eps)
@@ -92,7 +92,7 @@ def dora_linear_vjp(
     """Gradients of ``sum(dy * dora_linear(...))``.
 
     By default the norm is detached (DoRA paper §4.3, PEFT). With
-    ``exact_norm_grad=True`` the gradient through n is added (DESIGN §2): with
+    ``exact_norm_grad=True`` the gradient through n is added (docs/design.md §2): with
     ``c_i = (dL/dn_i) / n_i``,
 
         dB += c ⊙_rows (s·U + s²·B G),   dA += s·(c ⊙_rows B)ᵀ W + s²·(Bᵀ diag(c) B) A

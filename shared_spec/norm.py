@@ -1,4 +1,4 @@
-"""The DoRA weight norm: dense baseline and the factored form (DESIGN §2).
+"""The DoRA weight norm: dense baseline and the factored form (docs/design.md §2).
 
 For each output row i (PyTorch layout, norm over d_in):
 

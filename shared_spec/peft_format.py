@@ -26,10 +26,11 @@ must ``fullmatch`` the path; a list matches a path equal to an entry or ending i
 ``"." + entry``.
 
 Errors: everything wrong with a file (unreadable JSON or safetensors, ``use_dora``
-false, unknown keys, missing or mis-shaped tensors, ranks that disagree with the
-config) and with a file/model pairing (modules missing on either side, shapes,
-ranks or scales that disagree) is collected and raised as ONE ``AdapterFormatError``
-listing every problem, before any caller writes anything into a model.
+false, unknown keys, missing or mis-shaped tensors, NaN or inf values, ranks that
+disagree with the config, empty module paths) and with a file/model pairing (modules
+missing on either side, shapes, ranks or scales that disagree) is collected and raised
+as ONE ``AdapterFormatError`` listing every problem, before any caller writes anything
+into a model (or any writer writes a file).
 """
 
 from __future__ import annotations
@@ -234,6 +235,36 @@ def config_from_json_dict(d: Mapping[str, Any], problems: list[str]) -> AdapterC
     )
 
 
+def common_dropout(rates: Mapping[str, float]) -> float:
+    """The one ``lora_dropout`` of the layers ``rates`` {module path: rate}.
+
+    PEFT's config has a single ``lora_dropout`` for every module (no per-module
+    pattern), so layers with different rates cannot be written faithfully:
+    ValueError naming the layers of each rate instead of keeping only one of them.
+    """
+    if not rates:
+        raise ValueError("rates must contain at least one adapted module")
+    groups: dict[float, list[str]] = {}
+    for path, rate in sorted(rates.items()):
+        groups.setdefault(float(rate), []).append(path)
+    if len(groups) == 1:
+        return next(iter(groups))
+    listed = "; ".join(
+        f"lora_dropout={rate:g}: {_some(paths)}"
+        for rate, paths in sorted(groups.items(), key=lambda kv: (-len(kv[1]), kv[0]))
+    )
+    raise ValueError(
+        f"the DoRA layers have different lora_dropout rates ({listed}); PEFT's "
+        "adapter_config.json has one lora_dropout for all modules, so the file could not "
+        "record them: give every layer the same rate before saving"
+    )
+
+
+def _some(paths: list[str], limit: int = 8) -> str:
+    shown = ", ".join(p or "''" for p in paths[:limit])
+    return shown if len(paths) <= limit else f"{shown} and {len(paths) - limit} more"
+
+
 def config_for_layers(
     layers: Mapping[str, tuple[int, float]],
     *,
@@ -312,8 +343,30 @@ class LayerSpec:
     has_bias: bool | None = None  # None: not checked
 
 
+def _path_problem(path: str) -> str | None:
+    """Why ``path`` cannot name a module in a PEFT file, or None if it can."""
+    if path == "":
+        return (
+            "module path '' is empty: the model given is itself the DoRA layer, and a bare "
+            f"layer has no module name for PEFT's keys ({KEY_PREFIX}<module name>.lora_A.weight, "
+            "...), so no loader could place it; save the model that contains the layer instead"
+        )
+    if "" in path.split("."):
+        return f"module path {path!r} has an empty component (PEFT names are dot-joined names)"
+    return None
+
+
+def _nonfinite(a: np.ndarray) -> int:
+    """How many NaN or inf values the floating-point array ``a`` holds."""
+    return int(a.size - np.count_nonzero(np.isfinite(a)))
+
+
 def _check_module_tensors(path: str, t: Mapping[str, np.ndarray], problems: list[str]):
     """Internal consistency of one module's tensors; returns (d_out, d_in, r) or None."""
+    bad_path = _path_problem(path)
+    if bad_path is not None:
+        problems.append(bad_path)
+        return None
     missing = [n for n in TENSOR_SUFFIXES if n not in t]
     for n in missing:
         problems.append(f"missing key {tensor_key(path, n)}")
@@ -327,6 +380,13 @@ def _check_module_tensors(path: str, t: Mapping[str, np.ndarray], problems: list
             bad = True
         elif not _is_float(a.dtype):
             problems.append(f"{tensor_key(path, n)} must be floating point; got {a.dtype}")
+            bad = True
+    for n in sorted(t):
+        if _is_float(t[n].dtype) and (count := _nonfinite(t[n])):
+            problems.append(
+                f"{tensor_key(path, n)} holds {count} non-finite value(s) (NaN or inf) of "
+                f"{t[n].size}"
+            )
             bad = True
     if bad:
         return None
@@ -351,7 +411,8 @@ def _check_module_tensors(path: str, t: Mapping[str, np.ndarray], problems: list
 
 
 def check_adapter(adapter: Adapter, problems: list[str]) -> None:
-    """File-internal checks: every module complete and consistent, ranks as the config says."""
+    """File-internal checks: every module named, complete, consistent and finite (no NaN
+    or inf in any tensor), ranks as the config says. Readers and writers both run it."""
     for path in sorted(adapter.tensors):
         dims = _check_module_tensors(path, adapter.tensors[path], problems)
         if dims is not None and dims[2] != adapter.config.rank(path):
@@ -465,7 +526,9 @@ def read_adapter(path) -> Adapter:
 def write_adapter(path, adapter: Adapter) -> None:
     """Write ``adapter`` as a PEFT adapter directory (created if needed).
 
-    The adapter is checked first; nothing is written if it is inconsistent.
+    The adapter is checked first (``check_adapter``: what ``read_adapter`` would refuse,
+    e.g. an empty module path from a bare layer or a NaN, is refused here); nothing is
+    written if it is inconsistent.
     """
     problems: list[str] = []
     check_adapter(adapter, problems)

@@ -8,8 +8,12 @@ to be exact:
     err(actual) <= k · err(baseline) + floor,   err(a) = ||a − ref||_F / ||ref||_F
 
 ``floor`` defaults to a quarter of the dtype's machine epsilon (relative). NaN or
-inf in ``actual`` never passes. The reference must be computed from the inputs
-*after* casting them to the working dtype, so only the computation is judged.
+inf in ``actual`` never passes. Neither does anything when the bound is not finite
+(the baseline gave NaN or inf, or k or floor is not finite): such a bound would
+accept every finite result, so the rule reports the comparison as failed and says
+why; fix the baseline instead (e.g. an fp16 baseline whose norm underflows). The
+reference must be computed from the inputs *after* casting them to the working
+dtype, so only the computation is judged.
 """
 
 from __future__ import annotations
@@ -44,16 +48,27 @@ class Comparison:
     bound: float
 
     @property
+    def bound_is_finite(self) -> bool:
+        return math.isfinite(self.bound)
+
+    @property
     def passed(self) -> bool:
-        # A non-finite result never passes, even against a non-finite baseline.
-        return math.isfinite(self.error) and self.error <= self.bound
+        # A non-finite result never passes; a non-finite bound (the baseline gave NaN/inf)
+        # cannot judge anything, so nothing passes against it either.
+        return math.isfinite(self.error) and self.bound_is_finite and self.error <= self.bound
 
     def __str__(self) -> str:
         verdict = "ok" if self.passed else "FAIL"
-        return (
+        text = (
             f"{self.name or 'result'}: rel err {self.error:.3g} vs bound {self.bound:.3g} "
             f"(baseline {self.baseline_error:.3g}) {verdict}"
         )
+        if not self.bound_is_finite:
+            text += (
+                ": the bound is not finite (the baseline's result has NaN or inf), so the "
+                "rule cannot judge this result; make the baseline finite"
+            )
+        return text
 
 
 def compare(

@@ -1,7 +1,7 @@
 """Test-wide setup.
 
 Without a CUDA GPU, Triton kernels run in its interpreter. TRITON_INTERPRET
-must be set before any ``@triton.jit`` decorator runs (DESIGN §7), so it is set
+must be set before any ``@triton.jit`` decorator runs (docs/design.md §7), so it is set
 here, before the test modules import the package.
 """
 

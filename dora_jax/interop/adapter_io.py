@@ -14,10 +14,14 @@ Flax layout (lora_a [d_in, r], lora_b [r, d_out]); the conversion is
 ``shared_spec.to_flax_layout`` / ``from_flax_layout``, the one place layouts change.
 Values are copied bit for bit when dtypes agree, so PEFT → file → jax → file → PEFT
 is exact.
+
+Names. ``save_adapter`` / ``load_adapter`` are ``dora_torch``'s names; the earlier
+``save_peft_adapter`` / ``load_peft_adapter`` remain as deprecated aliases.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 
 import jax
@@ -81,7 +85,7 @@ def _from_peft(layer, t: Mapping[str, np.ndarray]) -> list[tuple[nnx.Variable, n
 def _spec(layer) -> pf.LayerSpec:
     d_in, d_out = layer.kernel.get_value().shape
     return pf.LayerSpec(
-        d_out, d_in, r=layer.rank, scaling=layer.scaling, has_bias=layer.bias is not None
+        d_out, d_in, r=layer.r, scaling=layer.scaling, has_bias=layer.bias is not None
     )
 
 
@@ -100,13 +104,16 @@ def _nnx_path(peft_path: str, key_map) -> NnxPath | None:
     return _norm_path(key_map[peft_path]) if peft_path in key_map else None
 
 
-def save_peft_adapter(model, path, *, key_map: Mapping[str, object] | None = None) -> None:
+def save_adapter(model, path, *, key_map: Mapping[str, object] | None = None) -> None:
     """Write every ``DoraDense`` of nnx ``model`` as a PEFT DoRA adapter directory.
 
     The result loads with ``peft.PeftModel.from_pretrained`` into the torch model the
-    PEFT paths name (and with ``load_peft_adapter`` / ``dora_torch.load_adapter``).
-    ValueError if there is no DoraDense, a DoraDense ``key_map`` does not name, or a
-    mix of rsLoRA and plain layers.
+    PEFT paths name (and with ``load_adapter`` / ``dora_torch.load_adapter``).
+    ``lora_dropout`` is the layers' rate. ValueError if there is no DoraDense, a
+    DoraDense ``key_map`` does not name, a mix of rsLoRA and plain layers or of
+    dropout rates (PEFT's config has one flag and one rate), a bare ``DoraDense`` as
+    ``model`` (PEFT names tensors by module path: save the model holding it), or NaN or
+    inf in a tensor; nothing is written then.
     """
     layers = _modules(model, _dora_cls())
     if not layers:
@@ -124,23 +131,29 @@ def save_peft_adapter(model, path, *, key_map: Mapping[str, object] | None = Non
     else:  # other torch modules are unknown here: select exactly the adapted paths
         target_modules = pf.exact_target_modules(adapted)
     config = pf.config_for_layers(
-        {names[p]: (layer.rank, layer.alpha) for p, layer in layers.items()},
+        {names[p]: (layer.r, layer.lora_alpha) for p, layer in layers.items()},
         use_rslora=rslora.pop(),
         target_modules=target_modules,
+        lora_dropout=pf.common_dropout(
+            {names[p]: layer.lora_dropout for p, layer in layers.items()}
+        ),
     )
     tensors = {names[p]: _to_peft(layer) for p, layer in layers.items()}
     pf.write_adapter(path, pf.Adapter(config, tensors))
 
 
-def load_peft_adapter(model, path, *, key_map: Mapping[str, object] | None = None):
+def load_adapter(model, path, *, key_map: Mapping[str, object] | None = None, adapter_dtype=None):
     """Load a PEFT DoRA adapter directory into nnx ``model``, in place; returns ``model``.
 
     If ``model`` has ``DoraDense`` layers, the file must cover exactly those, with
     their ranks and scales. If it has none, the ``nnx.Linear`` layers the file names
-    are first wrapped by ``dora_jax.inject`` with the file's ranks, alphas and rsLoRA.
-    Values are cast to the layers' parameter dtypes and keep their shardings. All
-    problems are reported in one ``shared_spec.peft_format.AdapterFormatError`` (a
-    ValueError) before anything is written.
+    are first wrapped as ``dora_jax.inject`` does, with the file's ranks, alphas, rsLoRA
+    and ``lora_dropout`` (active until ``model.eval()``, as nnx.Dropout), and
+    ``adapter_dtype`` (None: PEFT's rule, the kernel's dtype but float32 over a
+    float16/bfloat16 kernel; ignored when the model has DoraDense layers). Values are cast
+    to the layers' parameter dtypes and keep their shardings. All problems (NaN or inf
+    values included) are reported in one ``shared_spec.peft_format.AdapterFormatError``
+    (a ValueError) before anything is written.
     """
     adapter = pf.read_adapter(path)
     where = f"adapter at {path}"
@@ -157,12 +170,22 @@ def load_peft_adapter(model, path, *, key_map: Mapping[str, object] | None = Non
             )
         pf.validate_against(adapter, {names[p]: _spec(m) for p, m in layers.items()}, where=where)
     else:
-        linears = _modules(model, nnx.Linear)
+        linears = {_norm_path(q): (q, m) for q, m in nnx.iter_graph(model)
+                   if q and isinstance(m, nnx.Linear)}  # fmt: skip
         targets = {p: linears[q] for p, q in nnx_of.items() if q in linears}
         specs = {p: pf.LayerSpec(*m.kernel.get_value().shape[::-1], has_bias=m.bias is not None)
-                 for p, m in targets.items()}  # fmt: skip
+                 for p, (_, m) in targets.items()}  # fmt: skip
         pf.validate_against(adapter, specs, where=f"{where} (no nnx.Linear for extras)")
-        _inject_from_config(model, adapter.config, {nnx_of[p]: p for p in targets})
+        from ..inject import inject_from_config
+
+        inject_from_config(
+            model,
+            adapter.config,
+            [(q, m, p) for p, (q, m) in targets.items()],
+            rngs=nnx.Rngs(0),  # lora_a's random init is overwritten by the file's values
+            lora_dropout=adapter.config.lora_dropout,
+            adapter_dtype=adapter_dtype,
+        )
         layers = _modules(model, _dora_cls())
         names, _ = _peft_paths(layers, {p: nnx_of[p] for p in targets})
     updates = [
@@ -176,20 +199,21 @@ def load_peft_adapter(model, path, *, key_map: Mapping[str, object] | None = Non
     return model
 
 
-def _inject_from_config(model, config: pf.AdapterConfig, peft_of: Mapping[NnxPath, str]) -> None:
-    """Wrap the nnx.Linear at each nnx path in ``peft_of`` with its rank/alpha from ``config``."""
-    from ..inject import inject
+def save_peft_adapter(model, path, *, key_map: Mapping[str, object] | None = None) -> None:
+    """Deprecated alias of ``save_adapter`` (dora_torch's name)."""
+    warnings.warn(
+        "save_peft_adapter is deprecated; use dora_jax.save_adapter (same arguments)",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    save_adapter(model, path, key_map=key_map)
 
-    groups: dict[tuple[int, float], set[NnxPath]] = {}
-    for q, p in peft_of.items():
-        groups.setdefault((config.rank(p), config.alpha(p)), set()).add(q)
-    for (rank, alpha), paths in groups.items():
-        inject(
-            model,
-            # dora_jax.inject passes "/"-joined nnx paths
-            target=lambda path, _linear, paths=paths: tuple(path.split("/")) in paths,
-            rank=rank,
-            alpha=alpha,
-            use_rslora=config.use_rslora,
-            rngs=nnx.Rngs(0),  # lora_a's random init is overwritten by the file's values
-        )
+
+def load_peft_adapter(model, path, *, key_map: Mapping[str, object] | None = None):
+    """Deprecated alias of ``load_adapter`` (dora_torch's name)."""
+    warnings.warn(
+        "load_peft_adapter is deprecated; use dora_jax.load_adapter (same arguments)",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return load_adapter(model, path, key_map=key_map)

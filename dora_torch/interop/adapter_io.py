@@ -13,8 +13,6 @@ bfloat16 goes through a bit-level view (``ml_dtypes``), so round trips are bit-e
 
 from __future__ import annotations
 
-from collections import Counter
-
 import numpy as np
 import torch
 from torch import nn
@@ -59,8 +57,11 @@ def save_adapter(model: nn.Module, path) -> None:
     """Write every ``dora_torch.Linear`` of ``model`` as a PEFT DoRA adapter directory.
 
     Per-layer ranks and alphas become ``rank_pattern``/``alpha_pattern``; the
-    ``target_modules`` written select exactly the adapted layers. ValueError if the
-    model has no DoRA layer, or mixes rsLoRA and plain layers (one config flag).
+    ``target_modules`` written select exactly the adapted layers; ``lora_dropout`` is
+    the layers' rate. ValueError if the model has no DoRA layer, mixes rsLoRA and plain
+    layers or different dropout rates (PEFT's config has one flag and one rate), or is
+    itself a bare ``dora_torch.Linear`` (PEFT names tensors by module path: save the
+    model holding it), and if any tensor holds NaN or inf; nothing is written then.
     """
     layers = dora_layers(model)
     if not layers:
@@ -68,7 +69,7 @@ def save_adapter(model: nn.Module, path) -> None:
     rslora = {layer.use_rslora for layer in layers.values()}
     if len(rslora) != 1:
         raise ValueError("layers mix use_rslora=True and False; PEFT's config has one flag")
-    dropout = Counter(layer.lora_dropout for layer in layers.values()).most_common(1)[0][0]
+    dropout = pf.common_dropout({p: layer.lora_dropout for p, layer in layers.items()})
     candidates = [name for name, _ in model.named_modules()]
     config = pf.config_for_layers(
         {p: _hparams(layer) for p, layer in layers.items()},
@@ -84,16 +85,18 @@ def save_adapter(model: nn.Module, path) -> None:
     pf.write_adapter(path, pf.Adapter(config, tensors))
 
 
-def load_adapter(model: nn.Module, path) -> nn.Module:
+def load_adapter(model: nn.Module, path, *, adapter_dtype: torch.dtype | None = None) -> nn.Module:
     """Load a PEFT DoRA adapter directory into ``model``, in place; returns ``model``.
 
     If ``model`` already has ``dora_torch.Linear`` layers, the file must cover exactly
     those layers with their ranks and scales. If it has none, the layers the file
     names are adapted first (``inject`` with the file's ranks, alphas, rsLoRA and
-    dropout) — so a PEFT adapter loads into a plain transformers model in one call.
-    Tensors are cast to the layers' parameter dtypes. Every problem (file or fit) is
-    reported in one ``shared_spec.peft_format.AdapterFormatError`` (a ValueError)
-    before anything is written.
+    dropout, and ``adapter_dtype``: None is PEFT's rule, the base layer's dtype but
+    fp32 on fp16/bf16 bases) — so a PEFT adapter loads into a plain transformers
+    model in one call. Tensors are cast to the layers' parameter dtypes. Every problem
+    (file or fit, NaN or inf values included) is reported in one
+    ``shared_spec.peft_format.AdapterFormatError`` (a ValueError) before anything is
+    written.
     """
     adapter = pf.read_adapter(path)
     layers = dora_layers(model)
@@ -121,7 +124,7 @@ def load_adapter(model: nn.Module, path) -> nn.Module:
             targets,
             lora_dropout=adapter.config.lora_dropout,
             freeze_base=True,
-            adapter_dtype=torch.float32,
+            adapter_dtype=adapter_dtype,
         )
         layers = dora_layers(model)
     with torch.no_grad():

@@ -60,7 +60,7 @@ def inject(
     rank_pattern: Mapping[str, int] | None = None,
     alpha_pattern: Mapping[str, float] | None = None,
     freeze_base: bool = True,
-    adapter_dtype: torch.dtype = torch.float32,
+    adapter_dtype: torch.dtype | None = None,
 ) -> nn.Module:
     """Replace every ``nn.Linear`` of ``model`` that ``target_modules`` selects by a
     ``dora_torch.Linear`` wrapping it (weight and bias shared, not copied); in place.
@@ -69,6 +69,8 @@ def inject(
     rank_pattern/alpha_pattern: PEFT's per-module overrides (regex keys). With
     ``freeze_base`` (PEFT's behaviour) every parameter other than the adapters'
     (``lora_A``, ``lora_B``, ``lora_magnitude_vector``) stops requiring grad.
+    adapter_dtype: the adapters' dtype; None (default) is PEFT's rule, applied by
+    ``Linear.from_linear``: the base layer's dtype, but fp32 on fp16/bf16 bases.
     Everything is checked before the model is touched: ValueError if nothing
     matches or a match is not a plain ``nn.Linear``. Returns ``model``.
     """
@@ -96,7 +98,7 @@ def inject_from_config(
     *,
     lora_dropout: float,
     freeze_base: bool,
-    adapter_dtype: torch.dtype,
+    adapter_dtype: torch.dtype | None,
 ) -> nn.Module:
     """Adapt exactly ``targets`` (path → nn.Linear) with each path's rank and alpha from
     ``config``. New layers are all built before the first one is installed."""

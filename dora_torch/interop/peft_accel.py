@@ -30,12 +30,12 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..cache import NormCache
-from ..checks import FLOAT_DTYPES
+from .. import cache
+from ..checks import FLOAT_DTYPES, check_impl
 from ..functional import module_dora_linear
 
 REPORT_ATTR = "dora_acceleration_report"
-CACHE_ATTR = "_dora_norm_cache"  # per layer; keyed on tensor identity + version (cache.py)
+IMPL_ATTR = "_dora_impl"  # the tier accelerate_peft was asked for ("auto" | "fused" | "eager")
 
 
 @dataclass
@@ -104,28 +104,54 @@ def _active_dora_adapter(module, x, args, kwargs, DoraLinearVariant) -> str | No
     return a
 
 
-def _accelerated_forward(self, x, *args, **kwargs):
-    """PEFT lora.Linear.forward on dora_torch for the common case; PEFT's own otherwise."""
+def _adapter_tensors(module):
+    """(W, A, B, s, impl) of the adapter the fast path computes for ``module`` in its current
+    state (for the norm cache's eval buffer), or None."""
     _, _, DoraLinearVariant = _peft_classes()
+    base = module.get_base_layer()
+    a = _active_dora_adapter(module, base.weight, (), {}, DoraLinearVariant)
+    if a is None:
+        return None
+    scaling = float(module.scaling[a])
+    return base.weight, module.lora_A[a].weight, module.lora_B[a].weight, scaling, module._dora_impl
+
+
+def _accelerated_forward(self, x, *args, **kwargs):
+    """PEFT lora.Linear.forward on dora_torch for the common case; PEFT's own otherwise.
+    ``self.last_impl`` records which ran: "fused" / "eager" (ours) or "peft"."""
+    _, _, DoraLinearVariant = _peft_classes()
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor; got {type(x).__name__}")
     a = _active_dora_adapter(self, x, args, kwargs, DoraLinearVariant)
     if a is None:
+        if not torch.compiler.is_compiling():
+            self.last_impl = "peft"
         return type(self).forward(self, x, *args, **kwargs)
     base = self.get_base_layer()
-    weight, lora_A, lora_B = base.weight, self.lora_A[a].weight, self.lora_B[a].weight
-    scaling = float(self.scaling[a])
     drop = self.lora_dropout[a]
-    return module_dora_linear(
-        getattr(self, CACHE_ATTR),
+    y, tier = module_dora_linear(
+        self._dora_norm_cache,
+        self,
         x,
-        weight,
-        lora_A,
-        lora_B,
+        base.weight,
+        self.lora_A[a].weight,
+        self.lora_B[a].weight,
         self.lora_magnitude_vector[a].weight,
-        scaling,
+        float(self.scaling[a]),
         base.bias,
         dropout_p=drop.p if isinstance(drop, nn.Dropout) else 0.0,
         training=self.training,
-    )[0]
+        impl=self._dora_impl,
+    )
+    if not torch.compiler.is_compiling():
+        self.last_impl = tier
+    return y
+
+
+def _accelerated_train(self, mode: bool = True):
+    type(self).train(self, mode)
+    cache.track_mode(self)  # eval: the compiled graphs' norm buffer is refreshed now
+    return self
 
 
 def _is_accelerated(module) -> bool:
@@ -133,14 +159,18 @@ def _is_accelerated(module) -> bool:
     return getattr(fwd, "__func__", None) is _accelerated_forward
 
 
-def accelerate_peft(peft_model: nn.Module) -> nn.Module:
+def accelerate_peft(peft_model: nn.Module, *, impl: str = "auto") -> nn.Module:
     """Make every eligible PEFT DoRA ``lora.Linear`` of ``peft_model`` compute with dora_torch.
 
     In place; returns ``peft_model`` with an ``AccelerationReport`` attached as
     ``peft_model.dora_acceleration_report``. Layers left on PEFT's path are listed
-    there and in a warning. Calling it again is harmless. Raises ValueError if the
-    model has no PEFT LoRA layer at all.
+    there and in a warning. Each accelerated layer records the tier of its last eager call
+    in ``last_impl`` ("fused", "eager", or "peft" when that call fell back to PEFT's path).
+    ``impl`` ("auto" | "fused" | "eager") forces a tier, as ``dora_torch.Linear``'s does.
+    Calling it again is harmless (it updates ``impl``). Raises ValueError if the model has
+    no PEFT LoRA layer at all.
     """
+    check_impl(impl)
     LoraLayer, LoraLinear, DoraLinearVariant = _peft_classes()
     report = AccelerationReport()
     for name, module in peft_model.named_modules():
@@ -150,9 +180,12 @@ def accelerate_peft(peft_model: nn.Module) -> nn.Module:
         if why is not None:
             report.skipped[name] = why
             continue
+        setattr(module, IMPL_ATTR, impl)
         if not _is_accelerated(module):
-            setattr(module, CACHE_ATTR, NormCache())
+            module.last_impl = None
             module.forward = types.MethodType(_accelerated_forward, module)
+            module.train = types.MethodType(_accelerated_train, module)
+            cache.attach(module, _adapter_tensors)
         report.accelerated.append(name)
     if not report.accelerated and not report.skipped:
         raise ValueError("peft_model has no PEFT LoRA layer; is it a PeftModel with use_dora=True?")
@@ -169,7 +202,10 @@ def restore_peft(peft_model: nn.Module) -> nn.Module:
     for module in peft_model.modules():
         if _is_accelerated(module):
             del module.forward
-            delattr(module, CACHE_ATTR)
+            del module.train
+            cache.detach_cache(module)
+            for attr in (IMPL_ATTR, "last_impl"):
+                module.__dict__.pop(attr, None)
     if REPORT_ATTR in peft_model.__dict__:
         delattr(peft_model, REPORT_ATTR)
     return peft_model

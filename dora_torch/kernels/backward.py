@@ -1,4 +1,4 @@
-"""Backward elementwise pass of DoRA (detached norm, DESIGN §4).
+"""Backward elementwise pass of DoRA (detached norm, docs/design.md §4).
 
 With g = m / max(n, eps) per output column and ``inner`` the tensor g multiplied in the
 forward (x_d Wᵀ + s·h Bᵀ):
@@ -118,6 +118,9 @@ def _scale_reduce_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_R: tl.constexpr,
 ):
+    # Scalars arrive as fp64 when Inductor launches the kernel: keep the math in fp32.
+    s = tl.cast(s, tl.float32)
+    OUT_MAX = tl.cast(OUT_MAX, tl.float32)
     pid_m = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = cols < N

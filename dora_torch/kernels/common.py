@@ -9,7 +9,7 @@ from .. import config
 
 def dot_fp32(dtype: torch.dtype) -> bool:
     """Whether kernels must feed tl.dot fp32 operands: under the interpreter bf16/fp16
-    arithmetic is wrong (DESIGN §7), so operands are upcast right after loading."""
+    arithmetic is wrong (docs/design.md §7), so operands are upcast right after loading."""
     return config.interpreting() or dtype == torch.float32
 
 

@@ -6,7 +6,7 @@ DoRA output, with g = m / max(n, eps) per output column (fp32), s the adapter sc
     dropout:     inner = base_d + s·lora_d  y = base + (g − 1) ⊙ base_d + g·s ⊙ lora_d + b
 
 where base = x Wᵀ, base_d = x_d Wᵀ (x_d = dropout(x)), lora = h Bᵀ with h = x_d Aᵀ. Every
-operand is upcast to fp32 on load, g − 1 is formed as (m − n)/n in fp32 (DESIGN §3: in bf16
+operand is upcast to fp32 on load, g − 1 is formed as (m − n)/n in fp32 (docs/design.md §3: in bf16
 it cancels catastrophically) and y is rounded once, on store. ``inner`` is optionally stored
 for the backward's magnitude gradient.
 
@@ -115,6 +115,8 @@ def _lora_gemm_compose_kernel(
     Grouped tile order (GROUP_M row tiles share B column tiles in L2). The K loop runs over
     r; masked loads pad r up to BLOCK_K ≥ 16 with zeros (tl.dot's minimum).
     """
+    # Scalars arrive as fp64 when Inductor launches the kernel: keep the math in fp32.
+    s = tl.cast(s, tl.float32)
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
@@ -203,6 +205,8 @@ def _compose_kernel(
     BLOCK_N: tl.constexpr,
 ):
     """Elementwise composition of one tile: reads base (and base_d), lora; writes y once."""
+    # Scalars arrive as fp64 when Inductor launches the kernel: keep the math in fp32.
+    s = tl.cast(s, tl.float32)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (rows < M)[:, None] & (cols < N)[None, :]

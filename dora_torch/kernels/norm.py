@@ -1,4 +1,4 @@
-"""Norm assembly from the factored terms (DESIGN §2).
+"""Norm assembly from the factored terms (docs/design.md §2).
 
     n_i = sqrt(max(‖W_i‖² + 2s·Σ_j B_ij U_ij + s²·Σ_j (B G)_ij B_ij, 0))
 
@@ -44,6 +44,8 @@ def _norm_assemble_kernel(
     BLOCK_R: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
+    # Scalars arrive as fp64 when Inductor launches the kernel: keep the math in fp32.
+    s = tl.cast(s, tl.float32)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     mask_m = rows < N
     cross = tl.zeros((BLOCK_M,), dtype=tl.float32)
@@ -145,6 +147,8 @@ def _norm_rows_kernel(
 ):
     """n_i = sqrt(max(base_sq_i + Σ_j B_ij (2s·U_ij + s²·(BG)_ij), 0)) for a block of rows
     (U and BG fp32 with unit column stride)."""
+    # Scalars arrive as fp64 when Inductor launches the kernel: keep the math in fp32.
+    s = tl.cast(s, tl.float32)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     mask_m = rows < N
     acc = tl.zeros((BLOCK_M,), dtype=tl.float32)

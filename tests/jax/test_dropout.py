@@ -1,4 +1,4 @@
-"""Adapter dropout (PEFT's form, DESIGN §1) in dora_dense, DoraDense and the linen twin."""
+"""Adapter dropout (PEFT's form, docs/design.md §1) in dora_dense, DoraDense and the linen twin."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Pallas kernels compiled for the GPU (not interpreted) against the spec and the XLA path.
 
-This is where the traps the interpreter hides show (DESIGN §7): unmasked edge blocks, ranks
+This is where the traps the interpreter hides show (docs/design.md §7): unmasked edge blocks, ranks
 below 16 in ``plt.dot``, TF32 in f32 dots. Shapes are deliberately not block multiples.
 Run on the GPU machine: ``python -m pytest -q -m gpu tests/jax``.
 """

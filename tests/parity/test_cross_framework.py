@@ -49,11 +49,6 @@ def _torch_logits(model, ids) -> np.ndarray:
         return model(ids).logits.double().numpy()
 
 
-def _cosine(a, b) -> float:
-    a, b = a.ravel(), b.ravel()
-    return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
-
-
 def _same_tensors(a: pf.Adapter, b: pf.Adapter):
     assert a.tensors.keys() == b.tensors.keys()
     for p in a.tensors:
@@ -169,26 +164,27 @@ def test_flax_trained_adapter_reproduces_logits_in_torch_and_peft(tmp_path):
 
 
 def test_logits_against_the_fp64_reference(tmp_path):
-    """fp32: cosine ≥ 0.99999 for every implementation; bf16: the shared tolerance rule
-    with PEFT's bf16 model as the same-dtype baseline."""
+    """Every implementation against PEFT's formula in float64, by the shared tolerance rule:
+    in fp32 with PEFT's fp32 model as the same-dtype baseline, in bf16 with PEFT's bf16 model.
+    (A cosine ≥ 0.99999 would let ~4e-3 relative error through: ~30000 fp32 ulps.)"""
     from peft import PeftModel
 
-    pm = peft_dora(tiny_llama(seed=SEED), target_modules=ALL_PROJ, r=4, lora_alpha=8)
+    pm = peft_dora(tiny_llama(seed=SEED), target_modules=ALL_PROJ, r=4, lora_alpha=7)  # s = 1.75
     pm.save_pretrained(tmp_path / "a")
     ids = token_ids(pm.base_model.model.config, seq=16)
     ref64 = PeftModel.from_pretrained(tiny_llama(seed=SEED), tmp_path / "a").double().eval()
     ref = _torch_logits(ref64, ids)  # PEFT's dense formula evaluated in float64
 
-    fp32 = {
-        "peft": _torch_logits(pm, ids),
+    baseline32 = _torch_logits(pm, ids)  # PEFT in fp32: plain framework code
+    ours32 = {
         "peft+accelerate_peft": _torch_logits(accelerate_peft(pm), ids),
         "dora_torch": _torch_logits(load_adapter(tiny_llama(seed=SEED), tmp_path / "a"), ids),
         "dora_jax": _jax_logits(
             load_peft_adapter(_twin(tiny_llama(seed=SEED)), tmp_path / "a"), ids
         ),
     }
-    for name, logits in fp32.items():
-        assert _cosine(logits, ref) >= 0.99999, name
+    for name, logits in ours32.items():
+        assert_close(logits, ref, baseline32, machine_eps=2.0**-23, name=f"fp32 {name}")
 
     base16 = tiny_llama(seed=SEED).to(torch.bfloat16)
     peft16 = PeftModel.from_pretrained(base16, tmp_path / "a", autocast_adapter_dtype=False)

@@ -53,7 +53,7 @@ def test_exact_mode_differs_only_in_norm_term():
     # x and m do not enter the norm: identical.
     np.testing.assert_array_equal(ex.dx, det.dx)
     np.testing.assert_array_equal(ex.dm, det.dm)
-    # A and B do: the difference is exactly the DESIGN §2 correction.
+    # A and B do: the difference is exactly the docs/design.md §2 correction.
     s = d.scaling
     n = S.dense_norm(d.W, d.A, d.B, s)
     x2, dy2 = d.x.reshape(-1, d.W.shape[1]), d.dy.reshape(-1, d.W.shape[0])

@@ -39,19 +39,46 @@ def _np(t):
     return None if t is None else t.detach().double().cpu().numpy()
 
 
+class _Upcast(torch.autograd.Function):
+    """``t.float()`` whose backward rounds the fp32 gradient to t's dtype saturating at its
+    largest finite value (as dora_torch's backward does with g ⊙ dy) instead of overflowing."""
+
+    @staticmethod
+    def forward(ctx, t):
+        ctx.dtype = t.dtype
+        return t.float()
+
+    @staticmethod
+    def backward(ctx, grad):
+        big = torch.finfo(ctx.dtype).max
+        return grad.clamp(-big, big).to(ctx.dtype)
+
+
 def dense_baseline(x, W, A, B, m, s, bias=None, *, exact=False, keep=None):
     """Plain dense DoRA in the inputs' dtype (the common implementation). ``keep`` is the
-    scaled dropout mask (x_d = keep ⊙ x), giving PEFT's dropout form."""
-    sq = (W + s * (B @ A)).square().sum(1)
+    scaled dropout mask (x_d = keep ⊙ x), giving PEFT's dropout form.
+
+    W + s·B·A and the products run in the inputs' dtype; the row norm (sum of squares, eps
+    clamp, sqrt) and g = m / n run in fp32, and g is applied in fp32 before one rounding of y
+    to the dtype, as PEFT does (fp32 magnitude, result upcast) and as dora_jax's naive
+    baseline keeps the norm. In fp16 the clamp EPS² = 1e-24 would underflow to 0 and
+    g = m / max(n, EPS) = 5e11 overflow, so a zero row made this baseline inf/NaN and the
+    tolerance bound infinite (the rule now fails on that); the gradient g ⊙ dy is rounded back
+    to the dtype saturating (``_Upcast``) for the same reason.
+    """
+    dt = x.dtype
+    sq = (W + s * (B @ A)).float().square().sum(1)
     n = sq.clamp_min(EPS * EPS).sqrt()
     if not exact:
         n = n.detach()
-    g = m / n
+    g = m.float() / n
     if keep is None:
-        y = g * (x @ W.t() + s * (x @ A.t()) @ B.t())
+        y = g * _Upcast.apply(x @ W.t() + s * (x @ A.t()) @ B.t())
     else:
         xd = x * keep
-        y = x @ W.t() + (g - 1) * (xd @ W.t()) + g * s * ((xd @ A.t()) @ B.t())
+        base, base_d = _Upcast.apply(x @ W.t()), _Upcast.apply(xd @ W.t())
+        y = base + (g - 1) * base_d + g * _Upcast.apply(s * ((xd @ A.t()) @ B.t()))
+    y = y.to(dt)
     return y if bias is None else y + bias
 
 
@@ -64,21 +91,27 @@ def _run(fn, inputs, grads_of, dy):
 
 
 def check_tier(
-    case_name: str,
+    case: str | cases.Case,
     dtype: torch.dtype,
     impl: str,
     *,
     exact: bool = False,
     seed: int = 0,
+    data: cases.CaseData | None = None,
     device: str = "cpu",
     k: float = 2.0,
     dropout_p: float = 0.0,
-) -> None:
+) -> dict:
     """Assert forward and all gradients of ``dora_linear(impl=...)`` against the spec.
 
-    With ``dropout_p`` the layer runs in training mode with adapter dropout; the mask is
-    reproduced from the same RNG seed and given to the spec as ``x_dropped``."""
-    d = cases.get(case_name).make(seed)
+    ``case``: a shared case's name or an ad-hoc ``cases.Case``; ``data`` replaces its draw
+    ``case.make(seed)`` (e.g. with some magnitudes zeroed). With ``dropout_p`` the layer runs
+    in training mode with adapter dropout; the mask is reproduced from the same RNG seed and
+    given to the spec as ``x_dropped``. Returns {"y" | "dx" | ...: (ours, reference, baseline)}
+    as float64 NumPy, for further checks on parts of a result."""
+    case = cases.get(case) if isinstance(case, str) else case
+    case_name = case.name
+    d = case.make(seed) if data is None else data
     t = to_torch(d, dtype, device)
     grads_of = ["x", "A", "B", "m"] + (["bias"] if t["bias"] is not None else [])
     s = t["s"]
@@ -134,22 +167,28 @@ def check_tier(
     big = torch.finfo(dtype).max
     tag = f"{case_name}/{dtype}/{impl}/{'exact' if exact else 'detached'}"
     assert y.dtype == dtype and tuple(y.shape) == tuple(d.dy.shape)
-    _close(y, ref_y, yb, eps, k, f"{tag} y")
+    results = {"y": (_np(y), ref_y, _np(yb))}
+    _close(*results["y"], eps, k, f"{tag} y")
     refs = {"x": ref.dx, "A": ref.dA, "B": ref.dB, "m": ref.dm, "bias": ref.dbias}
     for name in grads_of:
         assert g[name] is not None, f"{tag}: no gradient for {name}"
         assert g[name].dtype == t[name].dtype, f"{tag}: d{name} dtype {g[name].dtype}"
-        if np.abs(refs[name]).max(initial=0.0) >= big:
-            continue  # the exact gradient is not representable in this dtype (fp16 zero rows)
-        _close(g[name], refs[name], gb[name], eps, k, f"{tag} d{name}")
+        got, want, base = _np(g[name]), refs[name], _np(gb[name])
+        results[f"d{name}"] = (got, want, base)
+        representable = np.abs(want) < big
+        if not representable.all():
+            # The exact gradient is not representable in this dtype there (fp16, zero rows:
+            # dB_i = s·g_i·… with g_i = m_i / EPS): judge every other entry.
+            got, want, base = got[representable], want[representable], base[representable]
+        _close(got, want, base, eps, k, f"{tag} d{name}")
+    return results
 
 
 def _close(actual, reference, baseline, eps, k, name):
-    """assert_close, plus: a non-finite result fails even when the baseline is non-finite too
-    (the rule's bound is inf then)."""
-    a = _np(actual)
-    assert np.all(np.isfinite(a)), f"{name}: non-finite values"
-    assert_close(a, reference, _np(baseline), machine_eps=eps, k=k, name=name)
+    """assert_close on float64 arrays (the rule fails a non-finite result and a non-finite
+    baseline); the explicit check names a non-finite result first."""
+    assert np.all(np.isfinite(actual)), f"{name}: non-finite values"
+    assert_close(actual, reference, baseline, machine_eps=eps, k=k, name=name)
 
 
 def random_case_tensors(seed=0, *, d_in=24, d_out=20, r=4, lead=(6,), dtype=torch.float32):

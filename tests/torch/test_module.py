@@ -71,7 +71,7 @@ def test_in_place_edits_invalidate_the_norm_cache(which):
     with torch.no_grad():
         layer(x)
         layer(x)
-    cache = layer._norm_cache
+    cache = layer._dora_norm_cache
     assert cache.norm_computations == 1  # reused while nothing changed
     with torch.no_grad():
         getattr(layer, which).mul_(1.5)  # in place: version counter moves
@@ -87,7 +87,7 @@ def test_calls_reuse_adapter_casts_until_an_edit(which, grad):
     # optimizer step reuse the bf16 casts of A and B; an edit of either recasts both.
     layer = _trained(dora_torch.Linear(16, 12, r=4, lora_alpha=8, dtype=torch.bfloat16))
     x = torch.randn(5, 16, dtype=torch.bfloat16)
-    cache = layer._norm_cache
+    cache = layer._dora_norm_cache
 
     def casts():
         return cache.state(
@@ -123,11 +123,11 @@ def test_gradient_accumulation_reuses_norm_until_optimizer_step():
     opt = torch.optim.SGD([p for p in layer.parameters() if p.requires_grad], lr=0.1)
     for _ in range(3):  # micro-batches
         layer(torch.randn(4, 16)).square().sum().backward()
-    assert layer._norm_cache.norm_computations == 1
+    assert layer._dora_norm_cache.norm_computations == 1
     opt.step()
     x = torch.randn(4, 16)
     torch.testing.assert_close(layer(x).detach(), _reference(layer, x))
-    assert layer._norm_cache.norm_computations == 2
+    assert layer._dora_norm_cache.norm_computations == 2
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -1,0 +1,78 @@
+"""torch.compile over the fused tier on the GPU: Inductor sees the Triton kernels (one graph,
+fullgraph=True), CUDA graphs (mode="reduce-overhead") replay with fresh norms, and a compiled
+training step with fused AdamW follows the eager one step for step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import dora_torch
+
+pytestmark = pytest.mark.gpu
+
+
+def _layer(dtype, seed=0, bias=False):
+    torch.manual_seed(seed)
+    base = nn.Linear(256, 192, bias=bias, device="cuda", dtype=dtype)
+    layer = dora_torch.Linear.from_linear(base, r=16, lora_alpha=24, impl="fused")
+    with torch.no_grad():
+        layer.lora_B.normal_(0, 0.05)
+    return layer
+
+
+def _fresh(layer, x):
+    return dora_torch.dora_linear(
+        x, layer.weight, layer.lora_A, layer.lora_B, layer.lora_magnitude_vector,
+        layer.scaling, layer.bias, impl="fused",
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("bias", [False, True])
+def test_fullgraph_inductor_forward_and_grads_match_eager(dtype, bias):
+    torch._dynamo.reset()
+    layer = _layer(dtype, bias=bias)
+    x = torch.randn(4, 100, 256, device="cuda", dtype=dtype)
+    compiled = torch.compile(layer, fullgraph=True)
+    xs = [x.clone().requires_grad_(True) for _ in range(2)]
+    y_c = compiled(xs[0])
+    grads_c = torch.autograd.grad(y_c.float().square().sum(), [xs[0], *_params(layer)])
+    y_e = layer(xs[1])
+    grads_e = torch.autograd.grad(y_e.float().square().sum(), [xs[1], *_params(layer)])
+    # Inductor's generated reductions and fusions round differently from the eager kernels:
+    # measured on the H200, fp32 differs by up to 2e-5 absolute on O(1) outputs. Accuracy
+    # against the float64 spec is gated by test_gpu.py; this checks the graph is the same math.
+    tol = {"rtol": 2e-2, "atol": 2e-2} if dtype == torch.bfloat16 else {"rtol": 1e-4, "atol": 1e-4}
+    torch.testing.assert_close(y_c, y_e, **tol)
+    for gc, ge in zip(grads_c, grads_e):
+        torch.testing.assert_close(gc, ge, **tol)
+
+
+def _params(layer):
+    return [layer.lora_A, layer.lora_B, layer.lora_magnitude_vector]
+
+
+@pytest.mark.parametrize("mode", [None, "reduce-overhead"])
+def test_compiled_training_with_fused_adamw_and_compiled_eval_stay_fresh(mode):
+    torch._dynamo.reset()
+    layer = _layer(torch.bfloat16)
+    compiled = torch.compile(layer, mode=mode)
+    opt = torch.optim.AdamW(_params(layer), lr=1e-2, fused=True)
+    x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)
+    for _ in range(4):
+        layer.train()
+        torch.compiler.cudagraph_mark_step_begin()
+        opt.zero_grad(set_to_none=True)
+        compiled(x).float().square().mean().backward()
+        opt.step()
+        layer.eval()
+        with torch.no_grad():
+            torch.compiler.cudagraph_mark_step_begin()
+            y = compiled(x).clone()
+            want = _fresh(layer, x)
+        torch.testing.assert_close(y, want, rtol=2e-2, atol=2e-2)
+        # the eval graph read the refreshed buffer, not a norm from an earlier step
+        n = dora_torch.factored_norm(layer.weight, layer.lora_A, layer.lora_B, layer.scaling)
+        torch.testing.assert_close(layer.dora_norm, n, rtol=1e-6, atol=0)
