@@ -87,6 +87,11 @@ class NormCache:
                 self._base = (_Stamp(weight), base_sq_norm(weight))
         return self._base[1]
 
+    def set_base_sq(self, weight: torch.Tensor, base_sq: torch.Tensor) -> None:
+        """Record ‖W_i‖² of the current ``weight`` computed elsewhere (e.g. updated exactly
+        after a low-rank write to W, as a ScaLoRA merge does), keyed on W as it is now."""
+        self._base = (_Stamp(weight), base_sq)
+
     @torch.no_grad()
     def state(
         self, weight, lora_A, lora_B, scaling: float, *, impl: str, dtype: torch.dtype

@@ -36,16 +36,26 @@ def _assert_grads_close(got, want, rtol):
 # ------------------------------------------------------------------------------ accelerate
 
 
-def test_accelerate_peft_matches_peft_outputs_and_grads():
+def _assert_ours_ran(model, tiers=("eager", "fused")):
+    """Every accelerated layer took dora_torch's path on its last call (not PEFT's)."""
+    layers = [m for m in model.modules() if hasattr(m, "_dora_norm_cache")]
+    assert layers
+    for m in layers:
+        assert m.last_impl in tiers, m.last_impl
+
+
+@pytest.mark.parametrize("impl", ["auto", "fused"])
+def test_accelerate_peft_matches_peft_outputs_and_grads(impl):
     pm = peft_dora(tiny_llama(), target_modules=[*ALL_PROJ, "lm_head", "embed_tokens"])
     ids = token_ids(pm.base_model.model.config)
     want_y, want_g = _loss_and_grads(pm, ids)
     with pytest.warns(RuntimeWarning, match="embed_tokens"):
-        assert accelerate_peft(pm) is pm
+        assert accelerate_peft(pm, impl=impl) is pm
     report = pm.dora_acceleration_report
     assert len(report.accelerated) == 2 * 7 + 1
     assert list(report.skipped) == ["base_model.model.model.embed_tokens"]
     got_y, got_g = _loss_and_grads(pm, ids)
+    _assert_ours_ran(pm, ("fused",) if impl == "fused" else ("eager",))
     torch.testing.assert_close(got_y, want_y, rtol=1e-5, atol=1e-6)
     _assert_grads_close(got_g, want_g, rtol=1e-5)
     # The norm is cached per layer: a second call with unchanged weights reuses it.
@@ -77,6 +87,7 @@ def test_training_steps_and_save_pretrained_after_acceleration(tmp_path):
             loss.backward()
             opt.step()
             losses.append(loss.item())
+        _assert_ours_ran(ours)
         assert losses[0] == pytest.approx(losses[1], rel=1e-5)
     for (n, a), b in zip(ref.named_parameters(), ours.parameters()):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6, msg=n)
@@ -94,7 +105,9 @@ def test_states_peft_handles_itself_fall_back_to_peft():
         with pm.disable_adapter():
             base = pm(ids).logits
         assert torch.equal(base, tiny_llama()(ids).logits)
+        _assert_ours_ran(pm, ("peft",))
         adapted = pm(ids).logits
+        _assert_ours_ran(pm)
         pm.merge_adapter()
         torch.testing.assert_close(pm(ids).logits, adapted, rtol=1e-5, atol=1e-5)
         pm.unmerge_adapter()
