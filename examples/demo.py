@@ -14,7 +14,7 @@ Stages (each a function below):
      ``--ours accelerate`` (``dora_torch.interop.accelerate_peft`` on a copy of PEFT's model);
   4. interop: save our adapter in PEFT's format (``save_adapter``, or ``save_pretrained`` for
      the accelerated PEFT model); load it with ``PeftModel.from_pretrained`` and, with
-     ``dora_jax.interop.load_peft_adapter``, into the Flax nnx Llama twin; compare logits on
+     ``dora_jax.load_adapter``, into the Flax nnx Llama twin; compare logits on
      held-out text;
   5. report: out/demo/results.csv (summary), out/demo/loss.csv (per step), out/demo/loss.png.
 

@@ -54,11 +54,11 @@ def jax_twin_logits(hf_config, base_state_dict, path, ids: np.ndarray) -> np.nda
     import jax
     import jax.numpy as jnp
 
-    from dora_jax.interop import load_peft_adapter
+    from dora_jax import load_adapter
     from dora_jax.models import llama
 
     # On the CPU even when a GPU is there: fp32 matmuls on a GPU may run in TF32.
     with jax.default_device(jax.devices("cpu")[0]):
         model = llama.from_torch_state_dict(hf_config, base_state_dict, dtype=jnp.float32)
-        load_peft_adapter(model, str(path))  # no DoraDense yet: injects the layers it names
+        load_adapter(model, str(path))  # no DoraDense yet: injects the layers it names
         return np.asarray(model(jnp.asarray(ids)), np.float64)
