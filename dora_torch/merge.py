@@ -15,6 +15,7 @@ import torch
 from . import config
 from .compose import magnitude_scale
 from .matmul import compute_dtype
+from .norm import chunk_slices
 
 
 @torch.no_grad()
@@ -22,8 +23,7 @@ def _rowwise(weight, lora_A, lora_B, fn) -> torch.Tensor:
     out = torch.empty_like(weight)
     acc = compute_dtype(weight.dtype)
     a = lora_A.to(acc)
-    for i in range(0, weight.shape[0], config.NORM_CHUNK):
-        rows = slice(i, i + config.NORM_CHUNK)
+    for rows in chunk_slices(weight.shape[0], config.NORM_CHUNK):
         out[rows] = fn(rows, weight[rows].to(acc), lora_B[rows].to(acc) @ a).to(weight.dtype)
     return out
 

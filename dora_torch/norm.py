@@ -23,9 +23,11 @@ from . import checks, config
 from .matmul import compute_dtype, mm_out
 
 
-def _columns(d_in: int, chunk: int | None):
-    step = d_in if chunk is None else chunk
-    return [slice(i, min(i + step, d_in)) for i in range(0, max(d_in, 1), max(step, 1))]
+def chunk_slices(size: int, chunk: int | None) -> list[slice]:
+    """Slices covering range(size) in steps of ``chunk`` (one slice when None): the one
+    chunking helper of dora_torch (columns of d_in, rows of d_out)."""
+    step = size if chunk is None else chunk
+    return [slice(i, min(i + step, size)) for i in range(0, max(size, 1), max(step, 1))]
 
 
 def _sum(terms):
@@ -58,7 +60,7 @@ def base_sq_norm(weight: torch.Tensor, *, chunk_size: int | None = None) -> torc
     acc = compute_dtype(weight.dtype)
     parts = [
         torch.linalg.vector_norm(weight[:, c], dim=1, dtype=acc).square()
-        for c in _columns(weight.shape[1], chunk)
+        for c in chunk_slices(weight.shape[1], chunk)
     ]
     return _sum(parts)
 
@@ -81,7 +83,7 @@ def _products(weight, a, *, chunk_size=None, want_u: bool = True, want_g: bool =
             return p.to(acc) @ q.to(acc)
 
     default = None if lowp or weight.dtype == acc else config.NORM_CHUNK
-    cols = _columns(d_in, chunk_size or default)
+    cols = chunk_slices(d_in, chunk_size or default)
     U = _sum(prod(weight[:, c], a[:, c].t()) for c in cols) if want_u else None
     G = _sum(prod(a[:, c], a[:, c].t()) for c in cols) if want_g else None
     return U, G
@@ -120,14 +122,12 @@ def detached_norm(
     """
     a = a_cast if a_cast is not None and a_cast.dtype == weight.dtype else None
     a = rounded_a(lora_A, weight) if a is None else a
-    step = config.NORM_ROW_CHUNK
-    if weight.shape[0] <= step:  # the common case: one block, no slicing
+    if weight.shape[0] <= config.NORM_ROW_CHUNK:  # the common case: one block, no slicing
         U, G = _products(weight, a, chunk_size=chunk_size)
         return assemble(base_sq, U, lora_B, G, scaling, fused=fused)
     G = _products(weight, a, chunk_size=chunk_size, want_u=False)[1]
     out = []
-    for i in range(0, weight.shape[0], step):
-        rows = slice(i, i + step)
+    for rows in chunk_slices(weight.shape[0], config.NORM_ROW_CHUNK):
         U = _products(weight[rows], a, chunk_size=chunk_size, want_g=False)[0]
         out.append(assemble(base_sq[rows], U, lora_B[rows], G, scaling, fused=fused))
     return torch.cat(out)
