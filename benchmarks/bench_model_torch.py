@@ -41,13 +41,12 @@ import cProfile
 import os
 import pathlib
 import pstats
-import statistics
 import subprocess
 import time
 import traceback
 from datetime import UTC, datetime
 
-from benchmarks.measure import error_text, free_cuda, write_csv
+from benchmarks.measure import cuda_time_ms, error_text, free_cuda, write_csv
 
 HIDDEN, INTERMEDIATE, HEADS, KV_HEADS, VOCAB, SEQ = 4096, 14336, 32, 8, 32000, 2048
 TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -131,23 +130,6 @@ def _unwrap(peft_model, base, originals) -> None:
             setattr(base.get_submodule(parent), attr, module)
 
 
-def _timed(fn, *, warmup: int, before=None) -> float:
-    import torch
-
-    times = []
-    for i in range(warmup + ITERS):
-        if before is not None:
-            before()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        if i >= warmup:
-            times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
 def _runner(model, mode: str):
     import torch
 
@@ -179,7 +161,7 @@ def measure_train(model, run, ids, mode: str, optim: str) -> dict:
         opt.step()
 
     try:
-        ms = _timed(step, warmup=WARMUP[mode])
+        ms = cuda_time_ms(step, warmup=WARMUP[mode], iters=ITERS)
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         before = torch.cuda.memory_allocated()
@@ -202,11 +184,11 @@ def measure_infer(model, run, ids, mode: str, *, dora_caching: bool = False) -> 
             return run(input_ids=ids).logits
 
     if not dora_caching:
-        return _timed(infer, warmup=WARMUP[mode])
+        return cuda_time_ms(infer, warmup=WARMUP[mode], iters=ITERS)
     from peft.helpers import DoraCaching
 
     with DoraCaching():
-        return _timed(infer, warmup=WARMUP[mode])
+        return cuda_time_ms(infer, warmup=WARMUP[mode], iters=ITERS)
 
 
 def profile_train(model, ids, path: pathlib.Path, optim: str = "foreach") -> None:

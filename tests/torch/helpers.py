@@ -200,3 +200,18 @@ def random_case_tensors(seed=0, *, d_in=24, d_out=20, r=4, lead=(6,), dtype=torc
 
 def max_abs(a, b) -> float:
     return float(np.max(np.abs(_np(a) - _np(b)))) if a.numel() else 0.0
+
+
+def uncached_output(layer, x, *, impl="eager"):
+    """A dora_torch.Linear's output for its current parameters with no cache at all: the
+    functional path on its tensors (what every cached call must equal)."""
+    return dora_torch.dora_linear(
+        x,
+        layer.weight,
+        layer.lora_A,
+        layer.lora_B,
+        layer.lora_magnitude_vector,
+        layer.scaling,
+        layer.bias,
+        impl=impl,
+    )

@@ -11,6 +11,8 @@ from torch import nn
 import dora_torch
 from dora_torch.cache import optimizer_steps
 
+from .helpers import uncached_output
+
 
 def _adafactor(params):
     from transformers.optimization import Adafactor
@@ -28,19 +30,6 @@ OPTIMIZERS = {
 }
 
 
-def _fresh(layer, x):
-    return dora_torch.dora_linear(
-        x,
-        layer.weight,
-        layer.lora_A,
-        layer.lora_B,
-        layer.lora_magnitude_vector,
-        layer.scaling,
-        layer.bias,
-        impl="eager",
-    )
-
-
 def _layer(seed=0):
     torch.manual_seed(seed)
     return dora_torch.Linear.from_linear(nn.Linear(32, 16), r=4, lora_alpha=8, impl="eager")
@@ -56,7 +45,7 @@ def test_every_optimizer_step_invalidates_the_norm(kind):
         layer(x).pow(2).mean().backward()
         opt.step()
         y = layer(x)
-        torch.testing.assert_close(y, _fresh(layer, x), rtol=0, atol=0)
+        torch.testing.assert_close(y, uncached_output(layer, x), rtol=0, atol=0)
 
 
 def test_the_issue_repro_with_fused_adamw_is_exact():
@@ -94,18 +83,18 @@ def test_load_state_dict_merge_and_mode_switches_invalidate():
     x = torch.randn(5, 32)
     layer(x)
     layer.load_state_dict(other.state_dict())
-    torch.testing.assert_close(layer(x), _fresh(layer, x), rtol=0, atol=0)
+    torch.testing.assert_close(layer(x), uncached_output(layer, x), rtol=0, atol=0)
     layer.eval()
     y_eval = layer(x)
-    torch.testing.assert_close(y_eval, _fresh(layer, x), rtol=0, atol=0)
+    torch.testing.assert_close(y_eval, uncached_output(layer, x), rtol=0, atol=0)
     torch.testing.assert_close(layer.dora_norm, layer.norm(impl="eager"), rtol=0, atol=0)
     layer.merge()
     torch.testing.assert_close(layer(x), y_eval, rtol=1e-5, atol=1e-5)
     layer.unmerge()
-    torch.testing.assert_close(layer(x), _fresh(layer, x), rtol=0, atol=0)
+    torch.testing.assert_close(layer(x), uncached_output(layer, x), rtol=0, atol=0)
     torch.testing.assert_close(layer.dora_norm, layer.norm(impl="eager"), rtol=1e-6, atol=1e-6)
     layer.train()
-    torch.testing.assert_close(layer(x), _fresh(layer, x), rtol=0, atol=0)
+    torch.testing.assert_close(layer(x), uncached_output(layer, x), rtol=0, atol=0)
 
 
 def test_eval_mode_buffer_follows_optimizer_steps():

@@ -11,7 +11,7 @@ import torch
 
 import dora_torch
 
-from .helpers import random_case_tensors
+from .helpers import random_case_tensors, uncached_output
 
 
 @pytest.mark.parametrize("exact", [False, True])
@@ -80,7 +80,7 @@ def test_compiled_eval_reads_a_norm_refreshed_by_every_optimizer_step(fused):
         layer.eval()
         with torch.no_grad():
             y = compiled(x)
-            want = _fresh(layer, x)
+            want = uncached_output(layer, x)
         torch.testing.assert_close(y, want, rtol=1e-6, atol=1e-6)
 
 
@@ -93,24 +93,10 @@ def test_compiled_eval_after_load_state_dict_and_clear_caches():
     with torch.no_grad():
         compiled(x)
         layer.load_state_dict(other.state_dict())
-        torch.testing.assert_close(compiled(x), _fresh(layer, x))
+        torch.testing.assert_close(compiled(x), uncached_output(layer, x))
         layer.lora_B.data.mul_(1.5)  # bypasses version counters and torch.optim
         # The documented limitation, which also proves the graph reads the buffer: stale
         # until clear_caches.
-        assert not torch.allclose(compiled(x), _fresh(layer, x))
+        assert not torch.allclose(compiled(x), uncached_output(layer, x))
         dora_torch.clear_caches(layer)
-        torch.testing.assert_close(compiled(x), _fresh(layer, x))
-
-
-def _fresh(layer, x):
-    """The layer's output with no cache at all: the functional path on its parameters."""
-    return dora_torch.dora_linear(
-        x,
-        layer.weight,
-        layer.lora_A,
-        layer.lora_B,
-        layer.lora_magnitude_vector,
-        layer.scaling,
-        layer.bias,
-        impl="eager",
-    )
+        torch.testing.assert_close(compiled(x), uncached_output(layer, x))
