@@ -21,11 +21,13 @@ from .interop import (
 from .layer import Linear, scaling_for
 from .merge import merge_weight, unmerge_weight
 from .norm import base_sq_norm, factored_norm
+from .scalora import ScaLoRA
 
 __all__ = [
     "EPS",
     "AccelerationReport",
     "Linear",
+    "ScaLoRA",
     "accelerate_peft",
     "base_sq_norm",
     "clear_caches",
