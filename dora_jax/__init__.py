@@ -28,7 +28,7 @@ Deprecated for one release (a DeprecationWarning names the replacement): the key
 ``DoraDense.merge()`` used to return a new nnx.Linear; that is now ``to_linear()``.
 """
 
-from . import functional, linen
+from . import functional, linen, scalora
 from .config import AUTO_PALLAS, DEFAULT_BLOCKS, BlockConfig
 from .dense import DoraCache, DoraDense, DoraParam
 from .functional import dora_dense
@@ -36,6 +36,7 @@ from .inject import inject
 from .interop import load_adapter, load_peft_adapter, save_adapter, save_peft_adapter
 from .merge import merge_weight, merged_kernel, unmerge_weight
 from .norm import base_sq_norm, factored_norm
+from .scalora import scalora_step, scalora_update
 
 __all__ = [
     "AUTO_PALLAS",
@@ -56,5 +57,8 @@ __all__ = [
     "merged_kernel",
     "save_adapter",
     "save_peft_adapter",
+    "scalora",
+    "scalora_step",
+    "scalora_update",
     "unmerge_weight",
 ]
