@@ -188,15 +188,32 @@ def refresh_norm_buffer(module: torch.nn.Module) -> None:
     if found is None:
         return
     weight, lora_A, lora_B, scaling, impl = found
+    if _is_sharded(weight):
+        return  # sharded at rest (FSDP2): forwards see whole tensors and refresh it themselves
     with torch.inference_mode(False):
         tier = "fused" if impl != "eager" and weight.is_cuda else "eager"
         n = cache.norm(weight, lora_A, lora_B, scaling, impl=tier)
         write_norm_buffer(module, n)
 
 
+def _is_sharded(t: torch.Tensor) -> bool:
+    """A DTensor: a parameter FSDP2 or tensor parallelism holds sharded between forwards."""
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
 def write_norm_buffer(module: torch.nn.Module, n: torch.Tensor) -> None:
     buf = module._buffers.get(DORA_NORM_BUFFER)
-    if buf is not None and buf.shape == n.shape and buf.dtype == n.dtype and buf.device == n.device:
+    if (
+        buf is not None
+        and type(buf) is type(n)
+        and buf.shape == n.shape
+        and buf.dtype == n.dtype
+        and buf.device == n.device
+    ):
         if buf is not n:
             buf.copy_(n)
     else:

@@ -191,7 +191,9 @@ def _dora_linear(
         y = ops.forward_core(x2, x_d, w, a, b, magnitude, n, bias, opts)[0]
     else:
         y = ops.LinearFunction.apply(x2, x_d, w, lora_A, lora_B, magnitude, n, bias, a, b, opts)
-    return y.reshape(*lead, d_out), tier
+    if x.dim() != 2:  # not a view, like nn.Linear's output (FSDP2 hooks module outputs)
+        y = torch.ops.aten._unsafe_view(y, (*lead, d_out))
+    return y, tier
 
 
 def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
