@@ -28,7 +28,7 @@ Deprecated for one release (a DeprecationWarning names the replacement): the key
 ``DoraDense.merge()`` used to return a new nnx.Linear; that is now ``to_linear()``.
 """
 
-from . import functional, linen, scalora
+from . import functional, linen, scalora, sharding
 from .config import AUTO_PALLAS, DEFAULT_BLOCKS, BlockConfig
 from .dense import DoraCache, DoraDense, DoraParam
 from .functional import dora_dense
@@ -60,5 +60,6 @@ __all__ = [
     "scalora",
     "scalora_step",
     "scalora_update",
+    "sharding",
     "unmerge_weight",
 ]

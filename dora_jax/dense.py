@@ -60,7 +60,8 @@ class DoraCache(nnx.Variable):
 
 def _adapter_sharding(kernel: nnx.Variable) -> tuple[dict, dict, dict]:
     """Sharding metadata for (lora_a, lora_b, magnitude) that follows the kernel's axes."""
-    names = kernel.get_metadata().get("out_sharding")
+    meta = kernel.get_metadata()
+    names = meta.get("out_sharding")
     if not names or len(names) != 2:
         return {}, {}, {}
     value = kernel.get_value()
@@ -68,6 +69,8 @@ def _adapter_sharding(kernel: nnx.Variable) -> tuple[dict, dict, dict]:
     common = {"eager_sharding": mesh is not None and not mesh.empty}
     if common["eager_sharding"]:
         common["mesh"] = mesh
+    if meta.get("sharding_rules") is not None:  # logical names: the adapters need the rules too
+        common["sharding_rules"] = meta["sharding_rules"]
     d_in_axis, d_out_axis = names
     return (
         {"out_sharding": (d_in_axis, None), **common},
@@ -91,6 +94,10 @@ class DoraDense(nnx.Module):
       adapter_dtype: dtype of lora_a, lora_b and magnitude; default (None) PEFT's rule: the
         kernel's dtype, float32 over a float16/bfloat16 kernel.
       impl, exact_norm_grad: passed to ``dora_jax.functional.dora_dense``.
+      shard_norm: compute the norm as a ``shard_map`` over the context mesh
+        (``dora_jax.sharding.sharded_norm_parts``: per-shard GEMMs, a psum when d_in is
+        sharded, the assembly per shard), the kernel's spec from its metadata; needed for the
+        Pallas norm on a mesh (XLA cannot partition a Pallas call). No effect off a mesh.
       deterministic: disables the dropout (as ``nnx.Dropout``: default False, i.e. active until
         ``model.eval()``; it has no effect when ``lora_dropout`` is 0).
       base: an existing nnx.Linear whose Variables to reuse (``from_linear``).
@@ -123,6 +130,7 @@ class DoraDense(nnx.Module):
         exact_norm_grad: bool = False,
         config: BlockConfig = DEFAULT_BLOCKS,
         deterministic: bool = False,
+        shard_norm: bool = False,
         base: nnx.Linear | None = None,
         rngs: nnx.Rngs,
         rank: int | None = None,
@@ -161,6 +169,7 @@ class DoraDense(nnx.Module):
         self.impl = impl
         self.exact_norm_grad = bool(exact_norm_grad)
         self.config = config
+        self.shard_norm = bool(shard_norm)
         # The very Variables of the base layer: values, dtypes and sharding metadata carry over.
         self.kernel = base.kernel
         self.bias = base.bias
@@ -211,6 +220,7 @@ class DoraDense(nnx.Module):
         exact_norm_grad: bool = False,
         config: BlockConfig = DEFAULT_BLOCKS,
         deterministic: bool = False,
+        shard_norm: bool = False,
         rank: int | None = None,
         alpha: float | None = None,
     ) -> DoraDense:
@@ -240,6 +250,7 @@ class DoraDense(nnx.Module):
             config=config,
             lora_dropout=lora_dropout,
             deterministic=deterministic,
+            shard_norm=shard_norm,
             base=linear,
             rngs=rngs,
         )
@@ -294,7 +305,19 @@ class DoraDense(nnx.Module):
             dropout_rate=self.lora_dropout,
             dropout_rng=key,
             deterministic=key is None,
+            norm_sharding=self._norm_sharding(),
         )
+
+    def _norm_sharding(self):
+        """With ``shard_norm``, under a mesh (``jax.set_mesh``) and with a sharded kernel: the
+        norm as a shard_map over that mesh, the kernel's spec from its metadata
+        (``dora_jax.sharding``); None (the plain factored norm) otherwise."""
+        if not self.shard_norm or jax.sharding.get_abstract_mesh().empty:
+            return None
+        from .sharding import NormSharding, kernel_spec_of
+
+        spec = tuple(kernel_spec_of(self))
+        return None if spec == (None, None) else NormSharding(spec)
 
     # -- explicit caches ----------------------------------------------------------------------
 

@@ -38,6 +38,7 @@ def dora_dense(
     dropout_rate: float = 0.0,
     dropout_rng=None,
     deterministic: bool = True,
+    norm_sharding=None,
 ):
     """DoRA dense layer ``y = g ⊙ (x·K + s·(x·a)·b) + bias``, g = m / max(||K + s·a·b||_col, eps).
 
@@ -57,6 +58,9 @@ def dora_dense(
       base_sq: optional precomputed ``||K_:j||²`` [d_out] (K is frozen, so it can be cached).
       chunk_size: accumulate the norm's GEMMs over slices of d_in.
       interpret: run Pallas kernels in interpret mode (default: when not on a GPU).
+      norm_sharding: a ``dora_jax.sharding.NormSharding`` (the kernel's spec on a mesh): the
+        norm then runs as a ``shard_map`` (``sharded_norm_parts``), as a Pallas norm on a mesh
+        needs; None (default): the plain factored norm, which XLA partitions itself.
       dropout_rate, dropout_rng, deterministic: adapter dropout with PEFT's semantics
         (docs/design.md §1). Active only when ``dropout_rate > 0`` and ``deterministic`` is
         False (the default True, as for an eval call, ignores the rate); then x_d = dropout(x)
@@ -118,6 +122,7 @@ def dora_dense(
         interpret=(platform != "gpu") if interpret is None else bool(interpret),
         chunk_size=chunk_size,
         config=config,
+        norm_sharding=norm_sharding,
     )
     kernel = kernel if kernel.dtype == x.dtype else kernel.astype(x.dtype)
     y = dora_core(opts, x2, x_d, kernel, lora_a, lora_b, magnitude, bias, base_sq, norm)

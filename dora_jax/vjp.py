@@ -58,6 +58,7 @@ from jax.custom_derivatives import SymbolicZero
 from . import kernels, xla_ops
 from .config import BlockConfig, acc_dtype, dot_precision
 from .norm import norm_parts
+from .sharding import NormSharding, sharded_norm_parts
 from .xla_ops import magnitude_scale, magnitude_scale_minus_one, norm_is_clamped, safe_norm
 
 _CONTRACT_0 = (((0,), (0,)), ((), ()))  # aᵀ·b without a transpose
@@ -76,11 +77,16 @@ class Options:
     interpret: bool
     chunk_size: int | None
     config: BlockConfig
+    norm_sharding: NormSharding | None = None  # the norm as a shard_map (dora_jax.sharding)
 
 
 def _norm_parts(opts: Options, kernel, lora_a, lora_b, base_sq):
     """(n, w): the factored norm and, with exact_norm_grad, w = s·U + s²·G·b for the backward."""
-    return norm_parts(
+    if opts.norm_sharding is not None:
+        fn = functools.partial(sharded_norm_parts, sharding=opts.norm_sharding)
+    else:
+        fn = norm_parts
+    return fn(
         kernel,
         lora_a,
         lora_b,
