@@ -86,21 +86,14 @@ def module_dora_linear(
     the module's norm buffer (refreshed eagerly, ``dora_torch.cache``); in training mode they
     compute the norm in the graph. Returns (y, tier)."""
     checks.check_input(x, weight)
+    compiling = torch.compiler.is_compiling()
     if exact_norm_grad:
-        base_sq = None if torch.compiler.is_compiling() else cache.base_sq(weight)
+        base_sq = None if compiling else cache.base_sq(weight)
         return _dora_linear(
             x, weight, lora_A, lora_B, magnitude, scaling, bias, dropout_p=dropout_p,
             training=training, impl=impl, exact_norm_grad=True, base_sq=base_sq,
         )  # fmt: skip
-    if torch.is_autocast_enabled(x.device.type):  # the dtype is chosen inside
-        tier = resolve_impl(impl, x, weight.shape[0])
-        norm = cache.norm(weight, lora_A, lora_B, scaling, impl=tier)
-        return _dora_linear(
-            x, weight, lora_A, lora_B, magnitude, scaling, bias, dropout_p=dropout_p,
-            training=training, impl=tier, norm=norm,
-        )  # fmt: skip
-    tier = resolve_impl(impl, x, weight.shape[0])
-    if torch.compiler.is_compiling():
+    if compiling:
         norm = getattr(module, DORA_NORM_BUFFER, None) if not module.training else None
         if norm is not None and (
             norm.shape != magnitude.shape or norm.dtype != compute_dtype(weight.dtype)
@@ -108,7 +101,14 @@ def module_dora_linear(
             norm = None  # never refreshed, or cast by module.to(dtype): compute it here
         return _dora_linear(
             x, weight, lora_A, lora_B, magnitude, scaling, bias, dropout_p=dropout_p,
-            training=training, impl=tier, norm=norm,
+            training=training, impl=impl, norm=norm,
+        )  # fmt: skip
+    tier = resolve_impl(impl, x, weight.shape[0])
+    if torch.is_autocast_enabled(x.device.type):  # the activation dtype is chosen inside
+        norm = cache.norm(weight, lora_A, lora_B, scaling, impl=tier)
+        return _dora_linear(
+            x, weight, lora_A, lora_B, magnitude, scaling, bias, dropout_p=dropout_p,
+            training=training, impl=impl, norm=norm,
         )  # fmt: skip
     computed = cache.norm_computations
     norm, a, b = cache.state(weight, lora_A, lora_B, scaling, impl=tier, dtype=x.dtype)

@@ -100,3 +100,17 @@ def test_compiled_eval_after_load_state_dict_and_clear_caches():
         assert not torch.allclose(compiled(x), uncached_output(layer, x))
         dora_torch.clear_caches(layer)
         torch.testing.assert_close(compiled(x), uncached_output(layer, x))
+
+
+@pytest.mark.parametrize("train", [False, True])
+def test_compile_fullgraph_under_autocast(train):
+    """Under autocast the module must not touch its Python-side cache inside the graph."""
+    torch._dynamo.reset()
+    layer = _layer().train(train)
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    x = torch.randn(3, 24)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = compiled(x)
+        y_ref = layer(x)
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y, y_ref)
