@@ -50,10 +50,13 @@ rescaled factors are (their columns are ~ (Lη)^(-1/2) in paper units).
   η is not the learning rate (Adam's step is lr·m̂/√v̂), so no fixed number has a meaning
   that carries across layers, models or optimizers. The auto value takes the step size that
   training has established with its tuned learning rate as the calibration, and ScaLoRA then
-  only turns the step toward the bound-optimal direction (and merges): it cannot inflate or
-  shrink the adapter by an arbitrary factor, so it cannot drift over many merges. It is
-  invariant to the gradient scale (loss scaling, averaging) and to s, and costs nothing.
-  This is our choice, not the paper's (which treats Lη as the constant of its bound).
+  only turns the step toward the bound-optimal direction (and merges). It keeps the length of
+  the first-order step M, not the size of the factors: individual columns can still be
+  scaled up by large factors (the evidence run, ``benchmarks/results/scalora_evidence.log``,
+  saw column scales near 15 and factor norms growing 5-100× over 200 steps, with loss
+  spikes at larger learning rates). It is invariant to the gradient scale (loss scaling,
+  averaging) and to s, and costs nothing. This is our choice, not the paper's (which treats
+  Lη as the constant of its bound).
 - ``lr_times_L=c`` (a positive float): the paper's fixed constant, in project units: c = L·η
   with η the SGD step size on lora_A/lora_B; the paper's Lη is s·c. Pick it by a grid
   search; a starting point is ~1/‖√s·lora_B‖²_col of a trained adapter (so that α·β ≈ 1).
