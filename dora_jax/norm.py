@@ -135,8 +135,17 @@ def norm_parts(
     u, gram = norm_gemms(kernel, lora_a, chunk_size=chunk_size)
     if base_sq is None:
         base_sq = base_sq_norm(kernel, chunk_size=chunk_size)
+    return assemble_parts(
+        u, gram, b, base_sq, dt=dt, scaling=scaling, impl=impl, interpret=interpret,
+        config=config, grad_parts=grad_parts,
+    )  # fmt: skip
+
+
+def assemble_parts(u, gram, b, base_sq, *, dt, scaling, impl, interpret, config, grad_parts):
+    """(n, w or None) from U, G, b and ‖K‖² (cast to ``dt``): the Pallas norm assembly or XLA,
+    and with ``grad_parts`` w = s·U + s²·G·b. Shared by ``norm_parts`` and the sharded norm
+    (``dora_jax.sharding``), which only differ in where U, G and ‖K‖² come from."""
     u, gram, b, base_sq = (v.astype(dt) for v in (u, gram, b, base_sq))
-    precision = NORM_PRECISION
     gb = None
     if impl == "pallas":
         n = kernels.norm_assembly(
@@ -145,17 +154,17 @@ def norm_parts(
             b,
             base_sq,
             scaling=scaling,
-            precision=precision,
+            precision=NORM_PRECISION,
             config=config,
             interpret=interpret,
         )
     else:
-        gb = xla_ops.gram_times_b(gram, b, precision=precision)
+        gb = xla_ops.gram_times_b(gram, b, precision=NORM_PRECISION)
         n = xla_ops.norm_from_gb(u, gb, b, base_sq, scaling=scaling)
     w = None
     if grad_parts:
         if gb is None:  # the Pallas assembly keeps G·b inside the kernel
-            gb = xla_ops.gram_times_b(gram, b, precision=precision)
+            gb = xla_ops.gram_times_b(gram, b, precision=NORM_PRECISION)
         w = scaling * u + scaling * scaling * gb
     return n, w
 

@@ -48,17 +48,15 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from . import kernels, xla_ops
 from .checks import check_adapter, check_chunk_size, check_scaling, check_vector
 from .config import (
     DEFAULT_BLOCKS,
-    NORM_PRECISION,
     BlockConfig,
     acc_dtype,
     current_platform,
     resolve_impl,
 )
-from .norm import base_sq_norm, norm_gemms
+from .norm import assemble_parts, base_sq_norm, norm_gemms
 
 P = PartitionSpec
 
@@ -227,27 +225,11 @@ def sharded_norm_parts(
             sq = base_sq_norm(kernel, chunk_size=chunk_size)
             if in_axes:
                 u, gram, sq = jax.lax.psum((u, gram, sq), in_axes)
-        u, gram, b, sq = (v.astype(dt) for v in (u, gram, b, sq))
-        gb = None
-        if impl == "pallas":
-            n = kernels.norm_assembly(
-                u,
-                gram,
-                b,
-                sq,
-                scaling=scaling,
-                precision=NORM_PRECISION,
-                config=config,
-                interpret=interpret,
-            )
-        else:
-            gb = xla_ops.gram_times_b(gram, b, precision=NORM_PRECISION)
-            n = xla_ops.norm_from_gb(u, gb, b, sq, scaling=scaling)
-        if not grad_parts:
-            return n
-        if gb is None:
-            gb = xla_ops.gram_times_b(gram, b, precision=NORM_PRECISION)
-        return n, scaling * u + scaling * scaling * gb
+        n, w = assemble_parts(
+            u, gram, b, sq, dt=dt, scaling=scaling, impl=impl, interpret=interpret,
+            config=config, grad_parts=grad_parts,
+        )  # fmt: skip
+        return n if w is None else (n, w)
 
     in_specs = (k_spec, a_spec, b_spec) + ((n_spec,) if has_base_sq else ())
     args = (kernel, lora_a, lora_b) + ((base_sq,) if has_base_sq else ())
