@@ -29,6 +29,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from . import checks
+from .dispatch import FUSED_DTYPES
 from .norm import base_sq_norm, detached_norm
 
 #: Name of the non-persistent buffer that holds the eval-mode norm on each DoRA module.
@@ -61,10 +62,16 @@ class _Stamp:
 
     def __init__(self, t: torch.Tensor):
         self.ref = weakref.ref(t)
-        self.meta = (t.data_ptr(), t._version, t.shape, t.dtype)
+        self.meta = (t.data_ptr(), t._version, t.shape, t.dtype, t.device)
 
     def matches(self, t: torch.Tensor) -> bool:
-        return self.ref() is t and self.meta == (t.data_ptr(), t._version, t.shape, t.dtype)
+        return self.ref() is t and self.meta == (
+            t.data_ptr(),
+            t._version,
+            t.shape,
+            t.dtype,
+            t.device,
+        )
 
 
 class NormCache:
@@ -191,7 +198,10 @@ def refresh_norm_buffer(module: torch.nn.Module) -> None:
     if _is_sharded(weight):
         return  # sharded at rest (FSDP2): forwards see whole tensors and refresh it themselves
     with torch.inference_mode(False):
-        tier = "fused" if impl != "eager" and weight.is_cuda else "eager"
+        # The tier a forward would pick (dispatch.resolve_impl without the token count), so
+        # the eager forward finds this entry instead of recomputing under another key.
+        fused_ok = weight.is_cuda and weight.dtype in FUSED_DTYPES
+        tier = "fused" if impl != "eager" and fused_ok else "eager"
         n = cache.norm(weight, lora_A, lora_B, scaling, impl=tier)
         write_norm_buffer(module, n)
 
