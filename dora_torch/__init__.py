@@ -1,7 +1,9 @@
 """dora_torch — DoRA for PyTorch with a factored norm and fused Triton kernels.
 
-Ladder (Liger style): ``kernels/`` (Triton kernels + launchers) → ``ops`` (torch.library
-custom ops with autograd) → ``functional.dora_linear`` (dispatch, norm) → ``Linear``.
+Ladder (Liger style): ``kernels/`` (Triton kernels + launchers) → ``ops`` (one autograd
+Function, traced by torch.compile) → ``functional.dora_linear`` (dispatch, norm, caches) →
+``Linear`` / ``accelerate_peft`` / ``inject``. Beside it: ``scalora`` (ScaLoRA) and
+``distributed`` (FSDP2, tensor parallelism; imported explicitly).
 """
 
 from . import functional
