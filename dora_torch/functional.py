@@ -191,8 +191,13 @@ def _dora_linear(
         y = ops.forward_core(x2, x_d, w, a, b, magnitude, n, bias, opts)[0]
     else:
         y = ops.LinearFunction.apply(x2, x_d, w, lora_A, lora_B, magnitude, n, bias, a, b, opts)
-    if x.dim() != 2:  # not a view, like nn.Linear's output (FSDP2 hooks module outputs)
-        y = torch.ops.aten._unsafe_view(y, (*lead, d_out))
+    if x.dim() != 2:
+        if save == ops.SAVE_RECOVER:
+            # backward reads y: a real view shares its version counter, so an in-place edit of
+            # the output is refused by autograd instead of silently corrupting the gradients.
+            y = y.view(*lead, d_out)
+        else:  # not a view, like nn.Linear's output (FSDP2 hooks module outputs)
+            y = torch.ops.aten._unsafe_view(y, (*lead, d_out))
     return y, tier
 
 

@@ -331,10 +331,12 @@ def test_autocast_runs_the_layer_in_the_autocast_dtype():
     torch.testing.assert_close(y.detach(), ref.detach(), rtol=0, atol=0)
 
 
-def test_in_place_edit_of_a_recovered_output_is_refused():
+@pytest.mark.parametrize("lead", [(6,), (2, 3)])
+def test_in_place_edit_of_a_recovered_output_is_refused(lead):
     """Fused, no bias, bf16: backward recovers inner from y (ops.SAVE_RECOVER), so editing y in
-    place before backward must raise autograd's error, never give silently wrong gradients."""
-    x, W, A, B, m, _, s = random_case_tensors(22, dtype=torch.bfloat16)
+    place before backward must raise autograd's error, never give silently wrong gradients
+    (also when y is reshaped back to x's leading dims)."""
+    x, W, A, B, m, _, s = random_case_tensors(22, dtype=torch.bfloat16, lead=lead)
     B = B.clone().requires_grad_(True)
     y = dora_torch.dora_linear(x, W, A, B, m, s, None, impl="fused")
     y.relu_()
