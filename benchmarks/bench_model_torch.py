@@ -37,6 +37,7 @@ Environment defaults for ``benchmarks.run``: ``DORA_BENCH_LAYERS`` (8), ``DORA_B
 from __future__ import annotations
 
 import argparse
+import collections
 import cProfile
 import os
 import pathlib
@@ -44,6 +45,7 @@ import pstats
 import subprocess
 import time
 import traceback
+import warnings
 from datetime import UTC, datetime
 
 from benchmarks.measure import cuda_time_ms, error_text, free_cuda, write_csv
@@ -213,7 +215,21 @@ def profile_train(model, ids, path: pathlib.Path, optim: str = "foreach") -> Non
             step()
         torch.cuda.synchronize()
     ka = prof.key_averages()
+    # Host-device synchronizations inside one step serialize host and GPU time: list them.
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            step()
+            torch.cuda.set_sync_debug_mode(0)
+            torch.cuda.synchronize()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    syncs = collections.Counter(f"{w.filename}:{w.lineno}" for w in caught)
     with path.open("w") as f:
+        f.write(f"synchronizing calls in one step: {sum(syncs.values())}\n")
+        for where, count in syncs.most_common():
+            f.write(f"  {count:5d}  {where}\n")
         f.write(ka.table(sort_by="self_cuda_time_total", row_limit=30))
         f.write("\n")
         f.write(ka.table(sort_by="self_cpu_time_total", row_limit=40))

@@ -79,6 +79,9 @@ class NormCache:
     (keyed on W, A, B, scaling, tier, dtype and the optimizer-step count) of one module."""
 
     def __init__(self) -> None:
+        #: The ``norm_group.NormGroup`` that recomputes this cache's norm together with its
+        #: model's other DoRA layers (one CUDA-graph replay), or None.
+        self.group = None
         self.clear()
 
     def clear(self) -> None:
@@ -91,13 +94,33 @@ class NormCache:
         optimizer-step count is not part of this key."""
         if self._base is None or not self._base[0].matches(weight):
             with torch.inference_mode(False):  # see ``state``
-                self._base = (_Stamp(weight), base_sq_norm(weight))
+                self._set_base(weight, base_sq_norm(weight))
         return self._base[1]
 
     def set_base_sq(self, weight: torch.Tensor, base_sq: torch.Tensor) -> None:
         """Record ‖W_i‖² of the current ``weight`` computed elsewhere (e.g. updated exactly
         after a low-rank write to W, as a ScaLoRA merge does), keyed on W as it is now."""
+        self._set_base(weight, base_sq)
+
+    def _set_base(self, weight: torch.Tensor, base_sq: torch.Tensor) -> None:
+        # Written into the previous buffer when it fits: a captured norm group (CUDA graph)
+        # reads ‖W‖² at that address, so a changed W does not force a new capture.
+        old = None if self._base is None else self._base[1]
+        if (
+            old is not None
+            and old is not base_sq
+            and type(old) is type(base_sq)
+            and (old.shape, old.dtype, old.device) == (base_sq.shape, base_sq.dtype, base_sq.device)
+        ):
+            old.copy_(base_sq)
+            base_sq = old
         self._base = (_Stamp(weight), base_sq)
+
+    def install(self, weight, lora_A, lora_B, scaling: float, impl: str, dtype, value) -> None:
+        """Record ``value`` = (n, a, b) as computed now from these tensors (``state``'s key)."""
+        key = (scaling, impl, dtype, _optimizer_steps)
+        self._state = ((_Stamp(weight), _Stamp(lora_A), _Stamp(lora_B), key), value)
+        self.norm_computations += 1
 
     @torch.no_grad()
     def state(
@@ -119,23 +142,33 @@ class NormCache:
             if old_key == key and sa.matches(lora_A) and sb.matches(lora_B) and sw.matches(weight):
                 return value
         checks.check_adapter(weight, lora_A, lora_B)  # named errors before any GEMM
-        base_sq = self.base_sq(weight)
         # A value computed under torch.inference_mode() would be an inference tensor, which a
         # later training step could not save for backward (validation between training steps).
         with torch.inference_mode(False):
-            a = lora_A.detach()
-            a = a if a.dtype == dtype else a.to(dtype)
-            b = lora_B.detach()
-            b = b if b.dtype == dtype else b.to(dtype)
-            n = detached_norm(weight, lora_A.detach(), lora_B.detach(), base_sq, scaling,
-                              impl == "fused", a_cast=a)  # fmt: skip
-        self._state = ((_Stamp(weight), _Stamp(lora_A), _Stamp(lora_B), key), (n, a, b))
-        self.norm_computations += 1
-        return n, a, b
+            if self.group is not None:
+                value = self.group.refresh(self, weight, lora_A, lora_B, scaling, impl, dtype)
+                if value is not None:
+                    return value
+            value = compute_state(weight, lora_A, lora_B, self.base_sq(weight), scaling,
+                                  impl, dtype)  # fmt: skip
+        self.install(weight, lora_A, lora_B, scaling, impl, dtype, value)
+        return value
 
     def norm(self, weight, lora_A, lora_B, scaling: float, *, impl: str) -> torch.Tensor:
         """Detached norm [d_out] (shares the entry of ``state`` for W's dtype)."""
         return self.state(weight, lora_A, lora_B, scaling, impl=impl, dtype=weight.dtype)[0]
+
+
+def compute_state(weight, lora_A, lora_B, base_sq, scaling: float, impl: str, dtype):
+    """(n, a, b) of ``NormCache.state``, computed (arguments already checked)."""
+    a = lora_A.detach()
+    a = a if a.dtype == dtype else a.to(dtype)
+    b = lora_B.detach()
+    b = b if b.dtype == dtype else b.to(dtype)
+    n = detached_norm(
+        weight, lora_A.detach(), lora_B.detach(), base_sq, scaling, impl == "fused", a_cast=a
+    )
+    return n, a, b
 
 
 def module_cache(module: torch.nn.Module) -> NormCache | None:

@@ -21,15 +21,31 @@ FUSED_MIN_ELEMENTS = 1 << 16
 #: transient fp32 copy of W to d_out × NORM_CHUNK × 4 bytes.
 NORM_CHUNK = 2048
 
-#: Rows of W per block when the detached norm is computed: U = W Aᵀ exists for one block
-#: at a time (fp32 NORM_ROW_CHUNK × r), so the norm's transient stays small for wide layers.
-NORM_ROW_CHUNK = 8192
+#: Elements of U = W Aᵀ (fp32) formed at a time when the detached norm is computed: rows
+#: of W are taken in blocks of max(1, NORM_U_ELEMENTS // r), so the norm's transient stays
+#: bounded (12 MiB) for wide layers at large r, while small r needs a single block (each
+#: extra block costs launches on host-bound steps).
+NORM_U_ELEMENTS = 8192 * 384
+
+
+def norm_row_chunk(r: int) -> int:
+    """Rows of W per block of the detached norm for rank r (see ``NORM_U_ELEMENTS``)."""
+    return max(1, NORM_U_ELEMENTS // max(r, 1))
+
 
 #: Forward composition: True = fused into the epilogue of the Triton ``h @ Bᵀ`` GEMM (the
 #: adapter product ``lora`` never touches memory); False = cuBLAS ``h @ Bᵀ`` then the
 #: one-pass elementwise compose kernel. The layer benchmark measures both.
 COMPOSE_IN_GEMM_EPILOGUE = True
 
+
+#: Launch Triton kernels through ``kernels.launch.Launcher``'s cache of compiled kernels
+#: (a fraction of ``JITFunction.run``'s host time); False = always ``kernel[grid](...)``.
+FAST_TRITON_LAUNCH = True
+
+#: Recompute the norms of a model's DoRA layers (``accelerate_peft``, ``inject``) with one
+#: CUDA-graph replay per parameter update (``norm_group``); False = layer by layer.
+NORM_GROUP_GRAPHS = True
 
 #: Triton picks interpreter or compiler when a kernel is decorated (at import), so the
 #: environment is read once, here; set TRITON_INTERPRET=1 before importing dora_torch.

@@ -26,3 +26,26 @@ def mm_out(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor
         except (TypeError, RuntimeError, NotImplementedError):  # torch without mm.dtype
             pass
     return torch.mm(a, b).to(dtype)
+
+
+def scaled_mm(a: torch.Tensor, b: torch.Tensor, alpha: float, dtype: torch.dtype) -> torch.Tensor:
+    """``alpha · (a @ b)`` returned in ``dtype``: one GEMM, fp32 accumulation, one rounding.
+
+    a, b: 2-D in the same (activation) dtype; ``dtype`` is a's or, for 16-bit inputs on CUDA,
+    fp32 (PEFT's fp32 adapters). cuBLAS applies alpha to the accumulator (``addmm`` with
+    beta = 0, whose input is ignored, so an uninitialised 0-d tensor serves), instead of a
+    product, a scaling pass and a cast. Compiled graphs and other dtypes take the unfused
+    form (Inductor fuses the scaling there)."""
+    if not torch.compiler.is_compiling():
+        unused = torch.empty((), dtype=dtype, device=a.device).expand(a.shape[0], b.shape[1])
+        if dtype == a.dtype:
+            return torch.addmm(unused, a, b, beta=0, alpha=alpha)
+        if dtype == torch.float32 and a.is_cuda and a.dtype in (torch.bfloat16, torch.float16):
+            try:
+                return torch.addmm(unused, a, b, beta=0, alpha=alpha, out_dtype=dtype)
+            except (TypeError, RuntimeError, NotImplementedError):  # torch without addmm.dtype
+                pass
+    out = mm_out(a, b, compute_dtype(a.dtype))
+    if alpha != 1.0:
+        out = out.mul_(alpha)
+    return out if out.dtype == dtype else out.to(dtype)

@@ -3,7 +3,7 @@
     n_i² = ‖W_i‖² + 2s·Σ_j B_ij U_ij + s²·Σ_jk B_ij G_jk B_ik,   U = W Aᵀ, G = A Aᵀ
 
 All intermediates are O(d_out·r + r²), in the compute dtype promote(fp32, W's dtype) (fp32;
-float64 for a float64 W); without a gradient U is formed for ``config.NORM_ROW_CHUNK`` rows
+float64 for a float64 W); without a gradient U is formed for ``config.norm_row_chunk(r)`` rows
 at a time. ``‖W‖²`` is the frozen part (callers cache it). Precision rule, the same in both
 backends (docs/design.md §5): A is rounded to W's dtype (it meets W in the U GEMM, and G is
 formed from the same rounded A, with fp32 accumulation); B enters the assembly at the compute
@@ -118,16 +118,17 @@ def detached_norm(
     compute dtype. ``a_cast``: lora_A already cast to some dtype (a module cache's cast),
     reused when that is W's dtype.
 
-    U only ever exists for ``config.NORM_ROW_CHUNK`` rows at a time (bounded transient).
+    U only ever exists for ``config.norm_row_chunk(r)`` rows at a time (bounded transient).
     """
     a = a_cast if a_cast is not None and a_cast.dtype == weight.dtype else None
     a = rounded_a(lora_A, weight) if a is None else a
-    if weight.shape[0] <= config.NORM_ROW_CHUNK:  # the common case: one block, no slicing
+    rows_per_block = config.norm_row_chunk(a.shape[0])
+    if weight.shape[0] <= rows_per_block:  # the common case: one block, no slicing
         U, G = _products(weight, a, chunk_size=chunk_size)
         return assemble(base_sq, U, lora_B, G, scaling, fused=fused)
     G = _products(weight, a, chunk_size=chunk_size, want_u=False)[1]
     out = []
-    for rows in chunk_slices(weight.shape[0], config.NORM_ROW_CHUNK):
+    for rows in chunk_slices(weight.shape[0], rows_per_block):
         U = _products(weight[rows], a, chunk_size=chunk_size, want_g=False)[0]
         out.append(assemble(base_sq[rows], U, lora_B[rows], G, scaling, fused=fused))
     return torch.cat(out)

@@ -45,7 +45,7 @@ import torch
 
 from . import config
 from .compose import compose, compose_dropout, magnitude_scale, magnitude_scale_minus_one
-from .matmul import compute_dtype, mm_out
+from .matmul import compute_dtype, scaled_mm
 
 SAVE_NONE, SAVE_INNER, SAVE_RECOVER = 0, 1, 2
 
@@ -139,8 +139,8 @@ def backward_core(
 
     x_in = x_d if dropout else x
     t = torch.mm(dyg, b)  # [T, r]
-    dB = _scaled(mm_out(dyg.t(), h, acc), scaling)
-    dA = _scaled(mm_out(t.t(), x_in, acc), scaling)
+    dB = scaled_mm(dyg.t(), h, scaling, _grad_dtype(dB_dtype, dt, acc))
+    dA = scaled_mm(t.t(), x_in, scaling, _grad_dtype(dA_dtype, dt, acc))
     dx = dx_d = None
     if need_dx:
         # addmm_ in place: one [T, d_in] buffer per result, not two.
@@ -168,8 +168,11 @@ def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t if t.dtype == dtype else t.to(dtype)
 
 
-def _scaled(t: torch.Tensor, s: float) -> torch.Tensor:
-    return t if s == 1.0 else t.mul_(s)
+def _grad_dtype(param_dtype: torch.dtype, dt: torch.dtype, acc: torch.dtype) -> torch.dtype:
+    """The dtype an adapter-gradient GEMM writes: the parameter's own when the GEMM produces
+    it with one rounding (the activation dtype dt or the compute dtype acc), else acc (cast
+    to the parameter's dtype once afterwards)."""
+    return param_dtype if param_dtype in (dt, acc) else acc
 
 
 # ------------------------------------------------------------------------------ autograd

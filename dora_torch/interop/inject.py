@@ -19,6 +19,7 @@ from torch import nn
 from shared_spec import peft_format as pf
 
 from ..layer import Linear
+from ..norm_group import group_norms
 
 
 def dora_layers(model: nn.Module) -> dict[str, Linear]:
@@ -116,6 +117,7 @@ def inject_from_config(
     for path, layer in new.items():
         parent, _, child = path.rpartition(".")
         setattr(model.get_submodule(parent), child, layer)
+    group_norms(dora_layers(model).values())  # one norm recomputation per parameter update
     if freeze_base:
         adapters = {id(p) for layer in new.values() for p in _adapter_params(layer).values()}
         adapters |= {

@@ -33,6 +33,7 @@ from torch import nn
 from .. import cache
 from ..checks import FLOAT_DTYPES, check_impl
 from ..functional import module_dora_linear
+from ..norm_group import group_norms
 
 REPORT_ATTR = "dora_acceleration_report"
 IMPL_ATTR = "_dora_impl"  # the tier accelerate_peft was asked for ("auto" | "fused" | "eager")
@@ -187,6 +188,9 @@ def accelerate_peft(peft_model: nn.Module, *, impl: str = "auto") -> nn.Module:
             module.train = types.MethodType(_accelerated_train, module)
             cache.attach(module, _adapter_tensors)
         report.accelerated.append(name)
+    if report.accelerated:  # one norm recomputation per parameter update for all of them
+        accelerated = set(report.accelerated)
+        group_norms(m for n, m in peft_model.named_modules() if n in accelerated)
     if not report.accelerated and not report.skipped:
         raise ValueError("peft_model has no PEFT LoRA layer; is it a PeftModel with use_dora=True?")
     if report.skipped:

@@ -25,6 +25,7 @@ import triton.language as tl
 
 from .. import config
 from .common import check_launchable, dot_fp32, dot_precision, unit_stride
+from .launch import Launcher
 
 _FINITE_MAX = {dt: torch.finfo(dt).max for dt in (torch.float16, torch.bfloat16, torch.float32)}
 
@@ -168,6 +169,9 @@ def _scale_reduce_kernel(
         tl.store(db_part_ptr + pid_m * N + cols, acc_db, mask=mask_n)
 
 
+_launch_scale_reduce = Launcher(_scale_reduce_kernel)
+
+
 def scale_reduce(
     dy: torch.Tensor,
     saved: torch.Tensor,
@@ -220,7 +224,8 @@ def scale_reduce(
     dm_part = torch.empty((parts, N), dtype=torch.float32, device=dy.device)
     db_part = torch.empty_like(dm_part) if need_dbias else dm_part
     grid = (parts, triton.cdiv(N, bn))
-    _scale_reduce_kernel[grid](
+    _launch_scale_reduce(
+        grid,
         dy,
         saved,
         magnitude,

@@ -24,6 +24,7 @@ import triton.language as tl
 
 from .. import config
 from .common import check_launchable, dot_fp32, dot_precision, unit_stride
+from .launch import Launcher
 
 
 @triton.jit
@@ -240,6 +241,10 @@ def _compose_kernel(
     )
 
 
+_launch_lora_gemm_compose = Launcher(_lora_gemm_compose_kernel)
+_launch_compose = Launcher(_compose_kernel)
+
+
 def compose_forward(
     h: torch.Tensor,
     lora_B: torch.Tensor,
@@ -300,7 +305,8 @@ def compose_forward(
         block_k = max(16, min(config.LORA_GEMM_BLOCK_K, triton.next_power_of_2(K)))
         cfg = gemm_config or config.lora_gemm_config(M, N)
         grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n),)
-        _lora_gemm_compose_kernel[grid](
+        _launch_lora_gemm_compose(
+            grid,
             h,
             lora_B,
             base_arg,
@@ -373,7 +379,8 @@ def compose_elementwise(
     bm = config.interp_small(config.COMPOSE_BLOCK_M)
     bn = config.interp_small(config.COMPOSE_BLOCK_N, 32)
     grid = (triton.cdiv(M, bm), triton.cdiv(N, bn))
-    _compose_kernel[grid](
+    _launch_compose(
+        grid,
         lora,
         lora.stride(0),
         lora.stride(1),

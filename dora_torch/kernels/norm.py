@@ -22,6 +22,7 @@ import triton.language as tl
 
 from .. import config
 from .common import check_launchable, unit_stride
+from .launch import Launcher
 
 
 @triton.jit
@@ -80,6 +81,9 @@ def _norm_assemble_kernel(
     tl.store(out_ptr + rows, tl.sqrt(tl.maximum(sq, 0.0)), mask=mask_m)
 
 
+_launch_norm_assemble = Launcher(_norm_assemble_kernel)
+
+
 def assemble_norm(
     base_sq: torch.Tensor,
     U: torch.Tensor,
@@ -105,7 +109,8 @@ def assemble_norm(
         return _assemble_by_gemm(base_sq, U, lora_B, G, scaling, out)
     bm = config.interp_small(config.NORM_BLOCK_M)
     br = max(16, min(config.NORM_BLOCK_R, triton.next_power_of_2(R)))
-    _norm_assemble_kernel[(triton.cdiv(N, bm),)](
+    _launch_norm_assemble(
+        (triton.cdiv(N, bm),),
         base_sq,
         U,
         lora_B,
@@ -165,6 +170,9 @@ def _norm_rows_kernel(
     tl.store(out_ptr + rows, tl.sqrt(tl.maximum(base_sq + acc, 0.0)), mask=mask_m)
 
 
+_launch_norm_rows = Launcher(_norm_rows_kernel)
+
+
 def _assemble_by_gemm(base_sq, U, lora_B, G, scaling, out):
     """The ``"gemm"`` assembly: cuBLAS B·G, then one row-reduction pass."""
     N, R = lora_B.shape
@@ -172,7 +180,8 @@ def _assemble_by_gemm(base_sq, U, lora_B, G, scaling, out):
     BG = torch.mm(lora_B.float(), G.float())
     bm = config.interp_small(config.NORM_ROWS_BLOCK_M)
     br = max(16, min(config.NORM_ROWS_BLOCK_R, triton.next_power_of_2(R)))
-    _norm_rows_kernel[(triton.cdiv(N, bm),)](
+    _launch_norm_rows(
+        (triton.cdiv(N, bm),),
         base_sq,
         U,
         BG,

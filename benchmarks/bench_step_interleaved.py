@@ -1,0 +1,152 @@
+"""Host-bound training steps, timed in interleaved rounds (the batch-1 rows of issue 10).
+
+A batch-1 × 2048 step on Llama-8B shapes is host-bound, and the host's speed drifts from
+minute to minute on the lent machines (benchmarks/NOTES.md, session 5): timing one provider
+after another confounds that drift with the providers. Here every variant owns its own model
+copy and optimizer, and the variants take turns, one step each, for ``--rounds`` rounds;
+each reports the min and median step time (CUDA-synchronised wall clock) and the host time
+of its forward and backward calls.
+
+Variants (each on a fresh copy of the 8-layer base, ``lora_alpha = 2r``, AdamW foreach):
+  - ``peft_lora``, ``peft_dora``: PEFT in the chosen adapter setting;
+  - ``ours``: ``accelerate_peft`` with every host-time measure on;
+  - ``ours_layer_norms``: the norms recomputed layer by layer (``NORM_GROUP_GRAPHS`` off);
+  - ``ours_session4``: also Triton's own launch (``FAST_TRITON_LAUNCH`` off), i.e. the
+    host path measured in session 4.
+
+    python3 -m benchmarks.bench_step_interleaved --ranks 16 384 --adapters bf16 fp32
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import statistics
+import time
+
+from benchmarks import bench_model_torch as bm
+from benchmarks.measure import write_csv
+
+# name → (bench_model_torch provider prefix, FAST_TRITON_LAUNCH, NORM_GROUP_GRAPHS)
+VARIANTS = {
+    "peft_lora": ("peft_lora", True, True),
+    "ours": ("ours", True, True),
+    "ours_layer_norms": ("ours", True, False),
+    "ours_session4": ("ours", False, False),
+    "peft_dora": ("peft_dora", True, True),
+}
+FIELDS = [
+    "variant", "adapters", "rank", "batch", "rounds", "step_min_ms", "step_median_ms",
+    "fwd_host_min_ms", "fwd_host_median_ms", "bwd_host_min_ms", "bwd_host_median_ms",
+]  # fmt: skip
+
+
+def _stepper(model, ids, fast: bool, graphs: bool):
+    import torch
+
+    from dora_torch import config
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-6, foreach=True)
+    model.train()
+
+    def step():
+        config.FAST_TRITON_LAUNCH, config.NORM_GROUP_GRAPHS = fast, graphs
+        opt.zero_grad(set_to_none=True)
+        t0 = time.perf_counter()
+        loss = model(input_ids=ids, labels=ids).loss
+        t1 = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
+        opt.step()
+        torch.cuda.synchronize()
+        t3 = time.perf_counter()
+        return (t3 - t0) * 1e3, (t1 - t0) * 1e3, (t2 - t1) * 1e3
+
+    return step
+
+
+def measure(rank: int, adapters: str, *, batch: int = 1, rounds: int = 15, layers: int = 8):
+    import torch
+
+    from dora_torch import config
+
+    saved = config.FAST_TRITON_LAUNCH, config.NORM_GROUP_GRAPHS
+    ids = torch.randint(0, bm.VOCAB, (batch, bm.SEQ), device="cuda")
+    steps = {}
+    try:
+        for name, (prefix, fast, graphs) in VARIANTS.items():
+            torch.manual_seed(0)
+            model = bm._wrap(bm.build_base(layers), f"{prefix}_{adapters}", rank)
+            steps[name] = _stepper(model, ids, fast, graphs)
+        for step in steps.values():
+            for _ in range(3):
+                step()
+        times = {name: [] for name in steps}
+        for _ in range(rounds):
+            for name, step in steps.items():
+                times[name].append(step())
+    finally:
+        config.FAST_TRITON_LAUNCH, config.NORM_GROUP_GRAPHS = saved
+        steps.clear()
+        bm.free_cuda()
+    rows = []
+    for name, samples in times.items():
+        row = {"variant": name, "adapters": adapters, "rank": rank, "batch": batch,
+               "rounds": rounds}  # fmt: skip
+        for i, what in enumerate(("step", "fwd_host", "bwd_host")):
+            values = [s[i] for s in samples]
+            row[f"{what}_min_ms"] = round(min(values), 2)
+            row[f"{what}_median_ms"] = round(statistics.median(values), 2)
+        rows.append(row)
+    return rows
+
+
+def run(out_dir: pathlib.Path) -> list[dict]:
+    """``benchmarks.run`` protocol: r = 16 and 384, both adapter settings, batch 1."""
+    return _bench(out_dir, [16, 384], ["bf16", "fp32"], rounds=15)
+
+
+def _bench(out_dir, ranks, adapters, *, rounds) -> list[dict]:
+    out_dir = pathlib.Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rows, summary = [], []
+    for rank in ranks:
+        for setting in adapters:
+            got = measure(rank, setting, rounds=rounds)
+            rows += got
+            by = {r["variant"]: r for r in got}
+            for r in got:
+                print(
+                    f"[step_interleaved] r={rank} {setting}: {r['variant']:<17} step min "
+                    f"{r['step_min_ms']:7.2f} med {r['step_median_ms']:7.2f} | fwd host "
+                    f"{r['fwd_host_min_ms']:6.2f} | bwd host {r['bwd_host_min_ms']:6.2f} ms",
+                    flush=True,
+                )
+            ratio = by["ours"]["step_median_ms"] / by["peft_lora"]["step_median_ms"]
+            summary.append({
+                "bench": "step_interleaved",
+                "metric": f"ours/LoRA train median [r={rank} b=1 eager {setting}-adapters]",
+                "value": ratio,
+                "target": "<= 1.25",
+                "ok": ratio <= 1.25,
+            })  # fmt: skip
+    write_csv(out_dir / "step_interleaved.csv", rows, FIELDS)
+    return summary
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ranks", type=int, nargs="+", default=[16, 384])
+    ap.add_argument("--adapters", nargs="+", default=["bf16", "fp32"], choices=["bf16", "fp32"])
+    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--out", default=os.environ.get("OUT", "out") + "/bench")
+    args = ap.parse_args(argv)
+    for row in _bench(args.out, args.ranks, args.adapters, rounds=args.rounds):
+        print(f"{row['metric']}: {row['value']:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

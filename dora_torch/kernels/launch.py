@@ -1,0 +1,133 @@
+"""``launch``: start a ``@triton.jit`` kernel with a fraction of ``JITFunction.run``'s host work.
+
+Every eager DoRA layer call launches two or three Triton kernels. ``kernel[grid](...)`` binds
+and specialises every argument in Python before it looks the compiled kernel up; inside a
+training step that costs ~100 µs of host time per launch on the H200 machines
+(benchmarks/NOTES.md, session 5), several times a cuBLAS call, and batch-1 steps are
+host-bound. ``launch`` keeps, per kernel, the compiled kernels Triton returned, keyed on
+everything Triton specialises on, and launches a hit through the compiled kernel's own
+launcher, the call ``JITFunction.run`` ends with, without launch metadata (no hooks).
+
+The key is never coarser than Triton's own specialisation, so a hit always runs the kernel
+Triton would have picked:
+  - tensors: dtype, and whether the data pointer is 16-byte aligned;
+  - non-constexpr ints: == 1, divisible by 16, and the int32 / int64 / uint64 range;
+  - non-constexpr floats: their type only (always passed as fp32);
+  - constexprs and launch options (num_warps, num_stages): their values;
+  - the current CUDA device.
+Everything else goes through ``kernel[grid](...)``: the first call of a key (which compiles
+and returns the kernel), the Triton interpreter (CPU CI), Dynamo tracing (Inductor captures
+the ``kernel[grid]`` call itself), launch hooks set in ``triton.knobs`` (profilers), and
+``config.FAST_TRITON_LAUNCH = False``.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+import triton
+from triton.runtime import driver
+
+from .. import config
+
+_I32 = 2**31
+_U64 = 2**63
+
+
+def hooks_set() -> bool:
+    """Whether a Triton launch hook is installed (``triton.knobs.runtime``; triton 3.6 keeps an
+    empty ``HookChain`` there by default, which counts as none)."""
+    runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
+    if runtime is None:
+        return False
+    for hook in (runtime.launch_enter_hook, runtime.launch_exit_hook):
+        if hook is not None and getattr(hook, "calls", True):
+            return True
+    return False
+
+
+def specialization_key(constexpr: tuple[bool, ...], args: tuple, options: tuple) -> tuple:
+    """The cache key of one launch: ``args`` in the kernel's parameter order, ``constexpr``
+    flags per parameter, ``options`` the launch options. See the module docstring."""
+    key: list = [options]
+    for is_constexpr, a in zip(constexpr, args, strict=True):
+        if is_constexpr:
+            key.append(("c", a))
+        elif isinstance(a, torch.Tensor):
+            key.append((a.dtype, a.data_ptr() % 16 == 0))
+        elif type(a) is bool:
+            key.append(("b", a))
+        elif type(a) is int:
+            width = 0 if -_I32 <= a < _I32 else (1 if -_U64 <= a < _U64 else 2)
+            key.append((a == 1, a % 16 == 0, width))
+        elif type(a) is float:
+            key.append("f")
+        else:
+            key.append(("v", a))  # None and anything else: by value
+    return tuple(key)
+
+
+class Launcher:
+    """The fast launch path of one ``@triton.jit`` kernel (one per kernel, module-level)."""
+
+    def __init__(self, kernel) -> None:
+        self.kernel = kernel
+        self.names = tuple(inspect.signature(kernel.fn).parameters)
+        # The interpreter's InterpretedFunction has no ``params``; it never takes the fast path.
+        params = getattr(kernel, "params", None) or ()
+        self.constexpr = tuple(bool(p.is_constexpr) for p in params)
+        self._compiled: dict[tuple, object] = {}
+        self.broken = False  # set when this Triton's launcher refused our call
+        self.fast_launches = 0  # for tests
+
+    def __call__(
+        self, grid: tuple, *args, num_warps: int, num_stages: int | None = None, **named
+    ) -> None:
+        """``kernel[grid](*args, **named, num_warps=..., num_stages=...)``: the leading
+        parameters positionally, the rest (constexprs, usually) by name."""
+        if named:
+            rest = self.names[len(args) :]
+            if set(named) != set(rest):
+                raise TypeError(
+                    f"{self.kernel.__name__}: parameters after the positional ones must be "
+                    f"{rest} by name; got {tuple(named)}"
+                )
+            args = args + tuple(named[n] for n in rest)
+        options = (num_warps, num_stages)
+        kw = {"num_warps": num_warps}
+        if num_stages is not None:
+            kw["num_stages"] = num_stages
+        if (
+            not config.FAST_TRITON_LAUNCH
+            or config.interpreting()
+            or torch.compiler.is_compiling()
+            or hooks_set()
+            or self.broken
+        ):
+            self.kernel[grid](*args, **kw)
+            return
+        device = torch.cuda.current_device()
+        key = (device, specialization_key(self.constexpr, args, options))
+        entry = self._compiled.get(key)
+        if entry is None:
+            compiled = self.kernel[grid](*args, **kw)
+            # What JITFunction.run launches a compiled kernel with (``run`` loads the module).
+            launcher = getattr(compiled, "run", None)
+            function = getattr(compiled, "function", None)
+            packed = getattr(compiled, "packed_metadata", None)
+            complete = launcher is not None and function is not None
+            if complete and hasattr(compiled, "packed_metadata"):
+                self._compiled[key] = (launcher, function, packed)
+            return
+        launcher, function, packed = entry
+        g0, g1, g2 = (*grid, 1, 1)[:3]
+        stream = driver.active.get_current_stream(device)
+        try:
+            launcher(g0, g1, g2, stream, function, packed, None, None, None, *args)
+        except TypeError:  # a Triton whose launcher takes other arguments: parsed, not launched
+            self.broken = True
+            self._compiled.clear()
+            self.kernel[grid](*args, **kw)
+            return
+        self.fast_launches += 1

@@ -1,0 +1,214 @@
+"""One recomputation of every DoRA layer's norm per parameter update, replayed as a CUDA graph.
+
+After each optimizer step every adapted layer of a model needs its norm again (and, with fp32
+adapters, its adapter casts). Per layer that is two GEMMs, one Triton launch and the cache's
+Python work: on a host-bound training step (batch 1 × 2048 tokens, Llama-8B shapes) those
+per-layer launches cost more host time than the norms cost GPU time (benchmarks/NOTES.md,
+session 5). A ``NormGroup`` holds the DoRA layers of one model (``accelerate_peft`` and
+``inject`` make one); the first layer whose cache misses refreshes them all:
+
+  1. it lists the members whose adapter is active, on this layer's CUDA device, in its
+     dtype and fused tier (others keep the per-layer path);
+  2. their ‖W‖² is brought up to date (each cache keeps it at a fixed address);
+  3. the first time a set of tensors is seen, the norms are computed eagerly; the second
+     time the same set (same addresses, shapes, dtypes and scalings) is seen, that
+     computation is captured in a CUDA graph; from then on one replay recomputes every
+     norm and cast from the tensors' current contents;
+  4. the outputs are copied out of the graph's static buffers (one copy per output dtype),
+     so a later replay never changes a tensor that a pending backward saved;
+  5. each member's cache records its entry with the tensors' stamps and the current key
+     (``cache.NormCache.install``), exactly as its own computation would have.
+
+A member is never read stale: the group only runs on a cache miss, recomputes from the
+tensors as they are at that moment, and the entries it installs are validated by the same
+stamps as any other. Nothing is captured while another CUDA graph is being captured, under
+``torch.compile``, on CPU (the group then computes its members eagerly, one by one), or
+with ``config.NORM_GROUP_GRAPHS = False``.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+
+import torch
+
+from . import config
+from .cache import _is_sharded, compute_state, module_cache
+
+logger = logging.getLogger("dora_torch")
+
+
+class NormGroup:
+    """The DoRA layers of one model whose norms are recomputed together (module doc)."""
+
+    def __init__(self, modules=()) -> None:
+        self._members: list[weakref.ref] = []
+        self._graph: torch.cuda.CUDAGraph | None = None
+        self._signature: tuple | None = None
+        self._seen: tuple | None = None
+        self._static: tuple = ()
+        self._failed = False  # a capture raised: no further attempts
+        self.captures = 0  # for tests and logs
+        self.replays = 0
+        for module in modules:
+            self.add(module)
+
+    def add(self, module: torch.nn.Module) -> None:
+        """Make ``module`` (which has a ``cache.attach``-ed NormCache) a member."""
+        norm_cache = module_cache(module)
+        if norm_cache is None:
+            raise ValueError(f"{type(module).__name__} has no dora_torch norm cache to group")
+        if norm_cache.group is not None and norm_cache.group is not self:
+            norm_cache.group.remove(module)
+        norm_cache.group = self
+        if all(ref() is not module for ref in self._members):
+            self._members.append(weakref.ref(module))
+
+    def remove(self, module: torch.nn.Module) -> None:
+        self._members = [ref for ref in self._members if ref() not in (None, module)]
+        norm_cache = module_cache(module)
+        if norm_cache is not None and norm_cache.group is self:
+            norm_cache.group = None
+
+    def __len__(self) -> int:
+        return sum(ref() is not None for ref in self._members)
+
+    # ----------------------------------------------------------------------------- refresh
+    def refresh(self, requester, weight, lora_A, lora_B, scaling, impl, dtype):
+        """Recompute every eligible member's (n, a, b) and install it in its cache; return
+        the requester's, or None when the requester's call is not one the group computes
+        (the caller then computes it alone)."""
+        if impl != "fused" or dtype != weight.dtype or torch.compiler.is_compiling():
+            return None
+        graphs = weight.is_cuda and config.NORM_GROUP_GRAPHS and not self._failed
+        if weight.is_cuda and torch.cuda.is_current_stream_capturing():
+            return None  # inside someone else's capture: the per-layer path is captured there
+        members = self._eligible(weight)
+        mine = next((m for m in members if m[0] is requester), None)
+        if mine is None or mine[2] is not lora_A or mine[3] is not lora_B or mine[4] != scaling:
+            return None
+        base = [c.base_sq(w) for c, w, *_ in members]
+        signature = (
+            (weight.device, dtype),
+            *(
+                (_where(w), _where(a), _where(b), q.data_ptr(), s)
+                for (_, w, a, b, s), q in zip(members, base, strict=True)
+            ),
+        )
+        if signature != self._signature and graphs:
+            if signature == self._seen:
+                self._capture(members, base, dtype, signature)
+            else:
+                self._graph = None
+                self._seen = signature
+        if graphs and self._graph is not None and signature == self._signature:
+            values = self._replay()
+        else:
+            values = [
+                compute_state(w, a, b, q, s, impl, dtype)
+                for (_, w, a, b, s), q in zip(members, base, strict=True)
+            ]
+        result = None
+        for (c, w, a, b, s), value in zip(members, values, strict=True):
+            c.install(w, a, b, s, impl, dtype, value)
+            if c is requester:
+                result = value
+        return result
+
+    def _eligible(self, weight: torch.Tensor) -> list[tuple]:
+        """(cache, W, A, B, s) of the live members the group computes with ``weight``'s."""
+        out = []
+        alive = []
+        for ref in self._members:
+            module = ref()
+            if module is None:
+                continue
+            alive.append(ref)
+            norm_cache = module_cache(module)
+            found = module._dora_tensors(module) if norm_cache is not None else None
+            if found is None:
+                continue
+            w, a, b, s, impl = found
+            if (
+                impl == "eager"
+                or w.device != weight.device
+                or w.dtype != weight.dtype
+                or _is_sharded(w)
+            ):
+                continue
+            out.append((norm_cache, w, a, b, s))
+        self._members = alive
+        return out
+
+    # ------------------------------------------------------------------------ CUDA graph
+    def _capture(self, members, base, dtype, signature) -> None:
+        """Capture the members' computation; norms and real casts (adapters in another dtype)
+        concatenated into one static buffer each."""
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph):
+                values = [
+                    compute_state(w, a, b, q, s, "fused", dtype)
+                    for (_, w, a, b, s), q in zip(members, base, strict=True)
+                ]
+                norms = torch.cat([n for n, _, _ in values])
+                casts = [
+                    cast.reshape(-1)
+                    for (_, _, a, b, _), (_, ca, cb) in zip(members, values, strict=True)
+                    for param, cast in ((a, ca), (b, cb))
+                    if param.dtype != dtype
+                ]
+                flat_casts = torch.cat(casts) if casts else None
+        except Exception as e:  # any capture failure: keep the eager path
+            logger.warning(
+                "dora_torch: capturing the norm group failed (%s); its norms are computed "
+                "layer by layer from now on (dora_torch.config.NORM_GROUP_GRAPHS = False "
+                "skips the attempt)",
+                e,
+            )
+            self._graph, self._signature, self._failed = None, None, True
+            return
+        layout, offset = [], 0  # per member: rows of n, then (offset, shape) or None per cast
+        for (_, _, a, b, _), (n, ca, cb) in zip(members, values, strict=True):
+            places = []
+            for param, cast in ((a, ca), (b, cb)):
+                if param.dtype == dtype:
+                    places.append(None)  # no cast: the parameter itself (detached)
+                else:
+                    places.append((offset, cast.shape))
+                    offset += cast.numel()
+            layout.append((n.shape[0], places))
+        self._graph, self._signature = graph, signature
+        self._static = (norms, flat_casts, layout, [(m[2], m[3]) for m in members])
+        self.captures += 1
+
+    def _replay(self) -> list[tuple]:
+        self._graph.replay()
+        self.replays += 1
+        norms, flat_casts, layout, params = self._static
+        norms = norms.clone()
+        copied = flat_casts.clone() if flat_casts is not None else None
+        values, start = [], 0
+        for (rows, entry), (a, b) in zip(layout, params, strict=True):
+            n = norms[start : start + rows]
+            start += rows
+            casts = []
+            for param, place in zip((a, b), entry, strict=True):
+                if place is None:
+                    casts.append(param.detach())
+                else:
+                    offset, shape = place
+                    casts.append(copied[offset : offset + shape.numel()].view(shape))
+            values.append((n, *casts))
+        return values
+
+
+def _where(t: torch.Tensor) -> tuple:
+    """What a captured graph depends on: the address, shape, strides and dtype it reads."""
+    return t.data_ptr(), t.shape, t.stride(), t.dtype
+
+
+def group_norms(modules) -> NormGroup:
+    """One ``NormGroup`` of ``modules`` (DoRA layers with a norm cache); see the module doc."""
+    return NormGroup(modules)

@@ -1,0 +1,139 @@
+"""The host-time measures of the eager hot path (benchmarks/NOTES.md, session 5) keep the math:
+row-blocked norms, the Triton launch cache's key, and the one-GEMM scaled adapter gradients."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import dora_torch
+from dora_torch import config
+from dora_torch.kernels.compose import _launch_compose
+from dora_torch.kernels.launch import Launcher, hooks_set, specialization_key
+from dora_torch.matmul import scaled_mm
+from dora_torch.norm import base_sq_norm, detached_norm
+
+gpu = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_row_blocked_norm_equals_one_block(monkeypatch, fused):
+    # The fused tier runs on CUDA, or on CPU through the Triton interpreter (CPU CI).
+    device = "cuda" if fused and not config.interpreting() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("the fused tier needs CUDA or the Triton interpreter")
+    torch.manual_seed(0)
+    W, A, B = (torch.randn(*shape, device=device) for shape in ((37, 24), (4, 24), (37, 4)))
+    base_sq = base_sq_norm(W)
+    whole = detached_norm(W, A, B, base_sq, 0.7, fused)
+    monkeypatch.setattr(config, "NORM_U_ELEMENTS", 4 * 10)  # 10 rows per block: 4 blocks
+    assert config.norm_row_chunk(4) == 10
+    blocked = detached_norm(W, A, B, base_sq, 0.7, fused)
+    torch.testing.assert_close(blocked, whole, rtol=1e-6, atol=0)
+    dense = (W + 0.7 * B @ A).double().norm(dim=1)
+    torch.testing.assert_close(blocked.double(), dense, rtol=1e-5, atol=0)
+
+
+def test_norm_row_chunk_bounds_u():
+    assert config.norm_row_chunk(16) * 16 <= config.NORM_U_ELEMENTS
+    assert config.norm_row_chunk(384) == 8192
+    assert config.norm_row_chunk(10**9) == 1
+
+
+def test_specialization_key_is_never_coarser_than_tritons():
+    flags = (False, False, False, True)
+    buf = torch.empty(64, dtype=torch.bfloat16)
+
+    def key(*args):
+        return specialization_key(flags, args, (4, None))
+
+    base = key(buf, 32, 1.5, 64)
+    assert key(buf, 32, 2.5, 64) == base  # float values are not specialised
+    assert key(buf[1:], 32, 1.5, 64) != base  # 16-byte alignment
+    assert key(buf.float(), 32, 1.5, 64) != base  # dtype
+    assert key(buf, 33, 1.5, 64) != base  # divisibility by 16
+    assert key(buf, 1, 1.5, 64) != key(buf, 17, 1.5, 64)  # == 1 is specialised
+    assert key(buf, 2**31 + 16, 1.5, 64) != key(buf, 16, 1.5, 64)  # int64 range
+    assert key(buf, 32, 1.5, 128) != base  # constexpr value
+    assert specialization_key(flags, (buf, 32, 1.5, 64), (8, None)) != base  # options
+    with pytest.raises(ValueError):  # one flag per argument, no silent truncation
+        specialization_key(flags, (buf, 32), (4, None))
+
+
+def test_only_installed_launch_hooks_turn_the_fast_path_off():
+    triton = pytest.importorskip("triton")
+    chain = triton.knobs.runtime.launch_enter_hook
+    if not hasattr(chain, "add"):
+        pytest.skip("this Triton keeps launch hooks as plain callables")
+    assert not hooks_set()  # the default: an empty chain
+
+    def hook(*_args):
+        return None
+
+    chain.add(hook)
+    try:
+        assert hooks_set()
+    finally:
+        chain.remove(hook)
+    assert not hooks_set()
+
+
+def test_launcher_orders_named_parameters_and_names_missing_ones():
+    launcher = Launcher(_launch_compose.kernel)
+    assert launcher.names[:2] == ("lora_ptr", "stride_lm")
+    with pytest.raises(TypeError, match="BLOCK_N"):
+        launcher((1,), *range(len(launcher.names) - 2), num_warps=4, BLOCK_M=16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_scaled_mm_is_one_scaled_product(dtype):
+    torch.manual_seed(0)
+    a, b = torch.randn(7, 5, dtype=dtype), torch.randn(5, 3, dtype=dtype)
+    got = scaled_mm(a, b, 0.37, dtype)
+    assert got.dtype == dtype
+    want = (a.double() @ b.double()) * 0.37
+    tol = {torch.float64: 1e-14, torch.float32: 1e-6, torch.bfloat16: 1e-2}[dtype]
+    torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol)
+
+
+def test_scaled_mm_writes_the_compute_dtype_for_16_bit_inputs():
+    a, b = torch.randn(6, 4).bfloat16(), torch.randn(4, 2).bfloat16()
+    got = scaled_mm(a, b, 2.0, torch.float32)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, (a.float() @ b.float()) * 2.0, rtol=1e-2, atol=1e-2)
+
+
+def _layer_grads(layer, x):
+    x = x.detach().requires_grad_(True)
+    y = layer(x)
+    y.float().square().sum().backward()
+    grads = [p.grad.clone() for p in (layer.lora_A, layer.lora_B, layer.lora_magnitude_vector)]
+    layer.zero_grad(set_to_none=True)
+    return y.detach(), x.grad, grads
+
+
+@gpu
+@pytest.mark.parametrize("offset", [0, 1])
+def test_fast_launch_matches_triton_launch_on_gpu(monkeypatch, offset):
+    """The launch cache runs the kernels Triton would (bitwise), including for a misaligned
+    input, which needs its own specialisation."""
+    torch.manual_seed(0)
+    base = nn.Linear(96, 80, bias=False, device="cuda", dtype=torch.bfloat16)
+    layer = dora_torch.Linear.from_linear(base, r=8, lora_alpha=16, impl="fused")
+    with torch.no_grad():
+        layer.lora_B.normal_(0, 0.05)
+    flat = torch.randn(4 * 256 * 96 + offset, device="cuda", dtype=torch.bfloat16)
+    x = flat[offset:].view(4, 256, 96)
+    monkeypatch.setattr(config, "FAST_TRITON_LAUNCH", False)
+    want = _layer_grads(layer, x)
+    monkeypatch.setattr(config, "FAST_TRITON_LAUNCH", True)
+    before = _launch_compose.fast_launches, layer._dora_norm_cache.norm_computations
+    for _ in range(3):  # the first call of a key compiles through Triton, later ones hit
+        got = _layer_grads(layer, x)
+    from dora_torch.kernels.compose import _launch_lora_gemm_compose
+
+    assert _launch_lora_gemm_compose.fast_launches > 0
+    assert before[1] == layer._dora_norm_cache.norm_computations
+    for g, w in zip([got[0], got[1], *got[2]], [want[0], want[1], *want[2]], strict=True):
+        assert torch.equal(g, w)

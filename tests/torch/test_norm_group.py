@@ -1,0 +1,194 @@
+"""``norm_group``: one recomputation of every layer's norm per update, never read stale.
+
+On CPU the group computes its members eagerly (fused tier through the Triton interpreter);
+the CUDA-graph capture and replay are tested on the GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import dora_torch
+from dora_torch import config
+from dora_torch.interop.inject import dora_layers, inject
+
+from .helpers import uncached_output
+
+gpu = pytest.mark.gpu
+
+
+# The fused tier runs on CUDA, or on CPU through the Triton interpreter (CPU CI).
+DEVICE = "cpu" if config.interpreting() or not torch.cuda.is_available() else "cuda"
+
+
+def _model(device=DEVICE, dtype=torch.float32, adapter_dtype=None, seed=0):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(24, 32), nn.GELU(), nn.Linear(32, 40), nn.GELU(),
+                          nn.Linear(40, 16)).to(device, dtype)  # fmt: skip
+    inject(model, target_modules=["0", "2", "4"], r=4, lora_alpha=8, adapter_dtype=adapter_dtype)
+    layers = list(dora_layers(model).values())
+    with torch.no_grad():
+        for layer in layers:
+            layer.impl = "fused"
+            layer.lora_B.normal_(0, 0.1)
+    return model, layers
+
+
+def _uncached(layers, x):
+    """The model's output with every layer computed by the functional path (no cache)."""
+    h = x
+    for i, layer in enumerate(layers):
+        h = uncached_output(layer, h, impl="fused")
+        if i < len(layers) - 1:
+            h = nn.functional.gelu(h)
+    return h
+
+
+def _computations(layers):
+    return [layer._dora_norm_cache.norm_computations for layer in layers]
+
+
+def test_inject_groups_every_layer():
+    _, layers = _model()
+    group = layers[0]._dora_norm_cache.group
+    assert group is not None and len(group) == 3
+    assert all(layer._dora_norm_cache.group is group for layer in layers)
+
+
+@pytest.mark.parametrize("opt_kind", ["adamw_fused", "adamw_foreach", "sgd"])
+def test_one_refresh_per_step_and_never_stale(opt_kind):
+    model, layers = _model()
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = {
+        "adamw_fused": lambda: torch.optim.AdamW(params, lr=0.05, fused=True),
+        "adamw_foreach": lambda: torch.optim.AdamW(params, lr=0.05, foreach=True),
+        "sgd": lambda: torch.optim.SGD(params, lr=0.05),
+    }[opt_kind]()
+    x = torch.randn(6, 24, device=DEVICE)
+    for _ in range(3):
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        opt.step()
+        before = _computations(layers)
+        with torch.no_grad():
+            got = model(x)
+        # The first layer's miss refreshed all three members, once each.
+        assert _computations(layers) == [c + 1 for c in before]
+        assert torch.equal(got, _uncached(layers, x))
+
+
+def test_a_member_changed_after_the_refresh_is_recomputed():
+    model, layers = _model()
+    x = torch.randn(5, 24, device=DEVICE)
+    with torch.no_grad():
+        layers[0](x)  # refreshes all members
+        layers[2].lora_B.add_(0.5)  # in place, after the refresh: its entry is now stale
+        before = _computations(layers)
+        got = model(x)
+    assert torch.equal(got, _uncached(layers, x))
+    # Layers 0 and 1 hit; layer 2 missed, and a miss refreshes every member (one replay).
+    assert _computations(layers) == [c + 1 for c in before]
+
+
+def test_calls_the_group_does_not_compute_take_the_layer_path():
+    model, layers = _model()
+    layers[1].impl = "eager"  # another tier: left out of the group, computed alone
+    x = torch.randn(5, 24, device=DEVICE)
+    with torch.no_grad():
+        got = model(x)
+    want = _uncached(layers[:1], x)
+    want = nn.functional.gelu(want)
+    want = nn.functional.gelu(uncached_output(layers[1], want, impl="eager"))
+    want = uncached_output(layers[2], want, impl="fused")
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+    assert _computations(layers) == [1, 1, 1]
+
+
+def test_removed_and_dead_members_leave_the_group():
+    _, layers = _model()
+    group = layers[0]._dora_norm_cache.group
+    group.remove(layers[1])
+    assert len(group) == 2 and layers[1]._dora_norm_cache.group is None
+    x = torch.randn(3, 24, device=DEVICE)
+    with torch.no_grad():
+        layers[0](x)
+    assert _computations(layers) == [1, 0, 1]
+    extra = dora_torch.Linear.from_linear(
+        nn.Linear(24, 8, device=DEVICE), r=2, lora_alpha=4, impl="fused"
+    )
+    group.add(extra)
+    assert len(group) == 3
+    del extra
+    assert len(group) == 2
+
+
+def test_accelerate_peft_groups_its_layers():
+    pytest.importorskip("peft")
+    from tests.parity.models import ALL_PROJ, peft_dora, tiny_llama
+
+    pm = peft_dora(tiny_llama(), target_modules=ALL_PROJ)
+    dora_torch.accelerate_peft(pm)
+    caches = [m._dora_norm_cache for m in pm.modules() if hasattr(m, "_dora_norm_cache")]
+    assert len(caches) == 14
+    assert len({id(c.group) for c in caches}) == 1 and caches[0].group is not None
+
+
+# ------------------------------------------------------------------------------------ GPU
+def _train(model, x, steps, opt_kind="fused"):
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=0.01, fused=opt_kind == "fused")
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = model(x).float().square().mean()
+        loss.backward()
+        opt.step()
+        losses.append(loss.detach())
+    return torch.stack(losses), [p.detach().clone() for p in params]
+
+
+@gpu
+@pytest.mark.parametrize("adapter_dtype", [None, torch.bfloat16])
+def test_graph_replay_matches_layer_by_layer_on_gpu(monkeypatch, adapter_dtype):
+    x = torch.randn(512, 24, device="cuda", dtype=torch.bfloat16)
+    ref_model, _ = _model("cuda", torch.bfloat16, adapter_dtype)
+    monkeypatch.setattr(config, "NORM_GROUP_GRAPHS", False)
+    want_losses, want_params = _train(ref_model, x, 5)
+    monkeypatch.setattr(config, "NORM_GROUP_GRAPHS", True)
+    model, layers = _model("cuda", torch.bfloat16, adapter_dtype)
+    losses, params = _train(model, x, 5)
+    group = layers[0]._dora_norm_cache.group
+    assert group.captures == 1 and group.replays >= 3
+    torch.testing.assert_close(losses, want_losses, rtol=0, atol=0)
+    for p, q in zip(params, want_params, strict=True):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
+    with torch.no_grad():
+        assert torch.equal(model(x), _uncached(layers, x))
+
+
+@gpu
+def test_a_replay_never_changes_a_pending_backward_on_gpu():
+    """forward → optimizer step elsewhere → forward (a replay) → the first backward still
+    sees the norm of its own forward."""
+    x = torch.randn(512, 24, device="cuda", dtype=torch.bfloat16)
+    model, layers = _model("cuda", torch.bfloat16, torch.float32)
+    _train(model, x, 3)  # captured by now
+    group = layers[0]._dora_norm_cache.group
+    assert group.captures == 1
+    with torch.no_grad():
+        want_n = [layer._dora_norm_cache.state(layer.weight, layer.lora_A, layer.lora_B,
+                  layer.scaling, impl="fused", dtype=torch.bfloat16)[0].clone()
+                  for layer in layers]  # fmt: skip
+    y1 = model(x)
+    saved = [layer._dora_norm_cache._state[1][0] for layer in layers]
+    with torch.no_grad():
+        for layer in layers:
+            layer.lora_B.add_(0.25)
+    other = torch.optim.SGD([torch.zeros(1, device="cuda", requires_grad=True)], lr=0.1)
+    other.step()  # any optimizer step moves every key
+    model(x)  # a replay
+    assert group.replays >= 4
+    for n, w in zip(saved, want_n, strict=True):
+        assert torch.equal(n, w)
+    y1.float().sum().backward()  # uses the saved norms: no error, no silent change
