@@ -17,7 +17,8 @@ session 5). A ``NormGroup`` holds the DoRA layers of one model (``accelerate_pef
   4. the outputs are copied out of the graph's static buffers (one copy per output dtype),
      so a later replay never changes a tensor that a pending backward saved;
   5. each member's cache records its entry with the tensors' stamps and the current key
-     (``cache.NormCache.install``), exactly as its own computation would have.
+     (``cache.NormCache.install``), exactly as its own computation would have, and members
+     in eval mode get their norm buffer written (what compiled eval graphs read).
 
 A member is never read stale: the group only runs on a cache miss, recomputes from the
 tensors as they are at that moment, and the entries it installs are validated by the same
@@ -34,7 +35,7 @@ import weakref
 import torch
 
 from . import config
-from .cache import _is_sharded, compute_state, module_cache
+from .cache import _is_sharded, compute_state, module_cache, write_norm_buffer
 
 logger = logging.getLogger("dora_torch")
 
@@ -84,7 +85,7 @@ class NormGroup:
         graphs = weight.is_cuda and config.NORM_GROUP_GRAPHS and not self._failed
         if weight.is_cuda and torch.cuda.is_current_stream_capturing():
             return None  # inside someone else's capture: the per-layer path is captured there
-        members = self._eligible(weight)
+        modules, members = self._eligible(weight)
         mine = next((m for m in members if m[0] is requester), None)
         if mine is None or mine[2] is not lora_A or mine[3] is not lora_B or mine[4] != scaling:
             return None
@@ -110,16 +111,18 @@ class NormGroup:
                 for (_, w, a, b, s), q in zip(members, base, strict=True)
             ]
         result = None
-        for (c, w, a, b, s), value in zip(members, values, strict=True):
+        for (c, w, a, b, s), value, module in zip(members, values, modules, strict=True):
             c.install(w, a, b, s, impl, dtype, value)
+            if not module.training:  # eval mode: compiled graphs read the buffer
+                write_norm_buffer(module, value[0])
             if c is requester:
                 result = value
         return result
 
-    def _eligible(self, weight: torch.Tensor) -> list[tuple]:
-        """(cache, W, A, B, s) of the live members the group computes with ``weight``'s."""
-        out = []
-        alive = []
+    def _eligible(self, weight: torch.Tensor) -> tuple[list, list[tuple]]:
+        """The live members the group computes with ``weight``'s, and (cache, W, A, B, s)
+        of each."""
+        modules, out, alive = [], [], []
         for ref in self._members:
             module = ref()
             if module is None:
@@ -137,9 +140,10 @@ class NormGroup:
                 or _is_sharded(w)
             ):
                 continue
+            modules.append(module)
             out.append((norm_cache, w, a, b, s))
         self._members = alive
-        return out
+        return modules, out
 
     # ------------------------------------------------------------------------ CUDA graph
     def _capture(self, members, base, dtype, signature) -> None:

@@ -91,6 +91,23 @@ def test_a_member_changed_after_the_refresh_is_recomputed():
     assert _computations(layers) == [c + 1 for c in before]
 
 
+def test_eval_buffers_of_every_member_follow_a_refresh():
+    """Compiled eval graphs read each layer's norm buffer: a refresh that one layer's eager
+    call starts must write every eval-mode member's buffer, not only the caller's."""
+    model, layers = _model()
+    model.eval()
+    x = torch.randn(5, 24, device=DEVICE)
+    with torch.no_grad():
+        for layer in layers:
+            layer.lora_B.add_(0.5)  # no optimizer step: only the versions moved
+        model(x)  # the first layer's miss refreshes all three
+        for layer in layers:
+            fresh = dora_torch.factored_norm(
+                layer.weight, layer.lora_A, layer.lora_B, layer.scaling, impl="fused"
+            )
+            torch.testing.assert_close(layer.dora_norm, fresh, rtol=1e-6, atol=0)
+
+
 def test_calls_the_group_does_not_compute_take_the_layer_path():
     model, layers = _model()
     layers[1].impl = "eager"  # another tier: left out of the group, computed alone
