@@ -246,18 +246,32 @@ def profile_train(model, ids, path: pathlib.Path, optim: str = "foreach") -> Non
     opt.zero_grad(set_to_none=True)
 
 
+def code_version() -> str:
+    """``DORA_COMMIT`` if set, else git's HEAD, marked ``+modified`` when tracked files differ
+    from it (a device checkout can carry a working tree newer than its HEAD)."""
+    if os.environ.get("DORA_COMMIT"):
+        return os.environ["DORA_COMMIT"]
+
+    def git(*args: str) -> str:
+        try:
+            return subprocess.run(
+                ["git", *args], capture_output=True, text=True, timeout=10
+            ).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+
+    head = git("rev-parse", "--short", "HEAD")
+    if head and git("status", "--porcelain", "--untracked-files=no"):
+        head += "+modified"
+    return head
+
+
 def _meta() -> dict:
     import torch
 
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10
-        ).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        commit = ""
     return {
         "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        "commit": commit or os.environ.get("DORA_COMMIT", ""),
+        "commit": code_version(),
         "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__,
     }

@@ -25,8 +25,8 @@ from benchmarks import bench_model_torch as bm
 from benchmarks.measure import free_cuda, write_csv
 
 VARIANTS = {"lora": 0, "scalora": 1, "scalora_i10": 10, "scalora_i100": 100}
-FIELDS = ["variant", "rank", "interval", "steps", "step_mean_ms", "peak_gib", "time_ratio",
-          "peak_ratio"]  # fmt: skip
+FIELDS = ["date", "commit", "gpu", "variant", "rank", "interval", "steps", "step_mean_ms",
+          "peak_gib", "time_ratio", "peak_ratio"]  # fmt: skip
 GIB = 2.0**30
 
 
@@ -72,11 +72,11 @@ def measure(rank: int, interval: int, *, layers: int = 8) -> dict:
 
 def _bench(out_dir, ranks) -> list[dict]:
     out_dir = pathlib.Path(out_dir)
-    rows, summary = [], []
+    rows, summary, meta = [], [], bm._meta()
     for rank in ranks:
         got = {}
         for name, interval in VARIANTS.items():
-            got[name] = measure(rank, interval)
+            got[name] = {**meta, **measure(rank, interval)}
             free_cuda()  # the variant's model copy is gone with measure's frame
         base = got["lora"]
         for name, row in got.items():

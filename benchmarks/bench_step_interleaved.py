@@ -11,8 +11,9 @@ Variants (each on a fresh copy of the 8-layer base, ``lora_alpha = 2r``, AdamW f
   - ``peft_lora``, ``peft_dora``: PEFT in the chosen adapter setting;
   - ``ours``: ``accelerate_peft`` with every host-time measure on;
   - ``ours_layer_norms``: the norms recomputed layer by layer (``NORM_GROUP_GRAPHS`` off);
-  - ``ours_session4``: also Triton's own launch (``FAST_TRITON_LAUNCH`` off), i.e. the
-    host path measured in session 4.
+  - ``ours_triton_launch``: also Triton's own launcher (``FAST_TRITON_LAUNCH`` off). The
+    one-GEMM adapter gradients and the norm's row blocks of session 5 have no switch and
+    stay on, so this is not session 4's code.
 
     python3 -m benchmarks.bench_step_interleaved --ranks 16 384 --adapters bf16 fp32
 """
@@ -33,12 +34,13 @@ VARIANTS = {
     "peft_lora": ("peft_lora", True, True),
     "ours": ("ours", True, True),
     "ours_layer_norms": ("ours", True, False),
-    "ours_session4": ("ours", False, False),
+    "ours_triton_launch": ("ours", False, False),
     "peft_dora": ("peft_dora", True, True),
 }
 FIELDS = [
-    "variant", "adapters", "rank", "batch", "rounds", "step_min_ms", "step_median_ms",
-    "fwd_host_min_ms", "fwd_host_median_ms", "bwd_host_min_ms", "bwd_host_median_ms",
+    "date", "commit", "gpu", "variant", "adapters", "rank", "batch", "rounds", "step_min_ms",
+    "step_median_ms", "fwd_host_min_ms", "fwd_host_median_ms", "bwd_host_min_ms",
+    "bwd_host_median_ms",
 ]  # fmt: skip
 
 
@@ -111,10 +113,10 @@ def run(out_dir: pathlib.Path) -> list[dict]:
 def _bench(out_dir, ranks, adapters, *, rounds) -> list[dict]:
     out_dir = pathlib.Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    rows, summary = [], []
+    rows, summary, meta = [], [], bm._meta()
     for rank in ranks:
         for setting in adapters:
-            got = measure(rank, setting, rounds=rounds)
+            got = [{**meta, **row} for row in measure(rank, setting, rounds=rounds)]
             rows += got
             by = {r["variant"]: r for r in got}
             for r in got:

@@ -2,8 +2,10 @@
 
 Ladder (Liger style): ``kernels/`` (Triton kernels + launchers) → ``ops`` (one autograd
 Function, traced by torch.compile) → ``functional.dora_linear`` (dispatch, norm, caches) →
-``Linear`` / ``accelerate_peft`` / ``inject``. Beside it: ``scalora`` (ScaLoRA) and
-``distributed`` (FSDP2, tensor parallelism; imported explicitly).
+``Linear`` / ``accelerate_peft`` / ``inject``. ``kernels/launch`` starts the Triton kernels of
+eager calls; ``norm_group`` recomputes a model's norms after each update with one CUDA-graph
+replay. Beside it: ``scalora`` (ScaLoRA) and ``distributed`` (FSDP2, tensor parallelism;
+imported explicitly).
 """
 
 from . import functional
@@ -23,6 +25,7 @@ from .interop import (
 from .layer import Linear, scaling_for
 from .merge import merge_weight, unmerge_weight
 from .norm import base_sq_norm, factored_norm
+from .norm_group import group_norms
 from .scalora import ScaLoRA
 
 __all__ = [
@@ -38,6 +41,7 @@ __all__ = [
     "dora_linear",
     "factored_norm",
     "functional",
+    "group_norms",
     "inject",
     "load_adapter",
     "magnitude_scale",
