@@ -173,8 +173,13 @@ def prepare_fsdp(model: nn.Module, *, param_dtype: torch.dtype | None = None) ->
     _reshard(model)  # the modules hold their sharded (persistent) parameters now
     count = 0
     for name, module in model.named_modules():
-        if cache.module_cache(module) is None:
+        norm_cache = cache.module_cache(module)
+        if norm_cache is None:
             continue
+        if norm_cache.group is not None:
+            # A norm group recomputes every member on one layer's miss; under FSDP2 the other
+            # layers' W exists only inside their own all-gather window: each layer alone.
+            norm_cache.group.remove(module)
         if _ANY not in module.__dict__:
             module.__dict__[_ANY] = module._dora_tensors
             module._dora_tensors = functools.partial(_whole_only, module._dora_tensors)

@@ -1,10 +1,10 @@
-"""``launch``: start a ``@triton.jit`` kernel with a fraction of ``JITFunction.run``'s host work.
+"""``Launcher``: start a ``@triton.jit`` kernel with a fraction of ``JITFunction.run``'s host work.
 
 Every eager DoRA layer call launches two or three Triton kernels. ``kernel[grid](...)`` binds
 and specialises every argument in Python before it looks the compiled kernel up; inside a
 training step that costs ~100 µs of host time per launch on the H200 machines
 (benchmarks/NOTES.md, session 5), several times a cuBLAS call, and batch-1 steps are
-host-bound. ``launch`` keeps, per kernel, the compiled kernels Triton returned, keyed on
+host-bound. A ``Launcher`` keeps, per kernel, the compiled kernels Triton returned, keyed on
 everything Triton specialises on, and launches a hit through the compiled kernel's own
 launcher, the call ``JITFunction.run`` ends with, without launch metadata (no hooks).
 

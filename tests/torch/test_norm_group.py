@@ -209,3 +209,68 @@ def test_a_replay_never_changes_a_pending_backward_on_gpu():
     for n, w in zip(saved, want_n, strict=True):
         assert torch.equal(n, w)
     y1.float().sum().backward()  # uses the saved norms: no error, no silent change
+
+
+def test_prepare_fsdp_takes_layers_out_of_their_group():
+    """Under FSDP2 a layer's W exists only inside its own all-gather window, so prepared
+    layers compute their norms alone."""
+    pytest.importorskip("torch.distributed.fsdp")
+    from dora_torch.distributed import prepare_fsdp
+
+    model, layers = _model()
+    group = layers[0]._dora_norm_cache.group
+    assert prepare_fsdp(model) == 3
+    assert len(group) == 0
+    assert all(layer._dora_norm_cache.group is None for layer in layers)
+    x = torch.randn(4, 24, device=DEVICE)
+    with torch.no_grad():
+        got = model(x)
+    assert torch.equal(got, _uncached(layers, x))
+
+
+def test_group_follows_merges_loads_and_accumulation():
+    model, layers = _model()
+    x = torch.randn(4, 24, device=DEVICE)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=0.05, fused=True)
+    # gradient accumulation: two micro-batches, one refresh
+    before = _computations(layers)
+    for _ in range(2):
+        model(x).square().mean().backward()
+    assert _computations(layers) == [c + 1 for c in before]
+    opt.step()
+    opt.zero_grad()
+    # a merged member leaves the group's work; the others stay exact
+    layers[1].merge()
+    with torch.no_grad():
+        got = model(x)
+        want = uncached_output(layers[0], x, impl="fused")
+        merged = layers[1]  # computes with its merged weight: a plain linear layer
+        want = nn.functional.linear(nn.functional.gelu(want), merged.weight, merged.bias)
+        want = uncached_output(layers[2], nn.functional.gelu(want), impl="fused")
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+    layers[1].unmerge()
+    # load_state_dict writes every parameter in place
+    state = {k: v.clone() + 0.01 for k, v in model.state_dict().items()}
+    model.load_state_dict(state)
+    with torch.no_grad():
+        assert torch.equal(model(x), _uncached(layers, x))
+
+
+def test_scalora_merges_keep_the_group_exact():
+    """ScaLoRA writes W in place and updates ‖W‖² in factored form: the cached ‖W‖² keeps
+    its address (what a captured group reads) and every output stays exact."""
+    model, layers = _model()
+    base_sq = [layer._dora_norm_cache.base_sq(layer.weight) for layer in layers]
+    x = torch.randn(6, 24, device=DEVICE)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=0.01)
+    dora_torch.ScaLoRA(model, opt).register()
+    for _ in range(3):
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        opt.step()
+        with torch.no_grad():
+            torch.testing.assert_close(model(x), _uncached(layers, x), rtol=1e-5, atol=1e-6)
+    for layer, q in zip(layers, base_sq, strict=True):
+        assert layer._dora_norm_cache.base_sq(layer.weight) is q
