@@ -489,7 +489,14 @@ def scalora_step(
     gradients at the rescaled factors (pass them to ``optimizer.update``). With ``donate`` the
     old arrays of those Variables are donated (stale copies, e.g. from an earlier
     ``nnx.state``, become invalid); kernels shared by two layers are not supported.
+
+    ScaLoRA-I: pass ``step`` as a Python int (a counter of your loop) and steps that do not
+    merge return at once, with no device work and no host work beyond this check:
+    ``(grads, {"applied": False, "layers": {}})``. With the default ``step`` (the optimizer's
+    counter, a device array) every call runs the jitted update, which skips on the device.
     """
+    if isinstance(interval, int) and interval > 1 and type(step) is int and step % interval:
+        return grads, {"applied": False, "layers": {}}
     layers = find_layers(model)
     if not layers:
         raise ValueError("model has no DoraDense, nnx.LoRALinear or nnx.LoRA(base_module) layer")

@@ -366,3 +366,21 @@ def test_bad_arguments():
         SC.scalora_update(adapters, base, None, bad, **kw)
     with pytest.raises(ValueError, match="mu"):
         SC.scalora_update(adapters, base, optax.adam(1e-3).init({"x": grads["q"]}), grads, **kw)
+
+
+def test_nnx_step_skips_on_the_host_between_merges(x64):
+    """ScaLoRA-I with a Python-int step: non-merge steps return at once (nothing donated,
+    nothing changed); the merge step applies."""
+    model = nnx.eval_shape(lambda: _Model(nnx.Rngs(0)))
+    rng = np.random.default_rng(1)
+    _randomize([v for _, v in nnx.iter_graph(model) if isinstance(v, nnx.Param)], rng)
+    x, y = jnp.asarray(rng.standard_normal((5, 6))), jnp.asarray(rng.standard_normal((5, 3)))
+    opt = nnx.Optimizer(model, optax.adamw(1e-2), wrt=nnx.LoRAParam)
+    grads = nnx.jit(nnx.grad(_loss, argnums=_DIFF))(model, x, y)
+    kernel = model.dora.kernel.get_value()
+    out, info = SC.scalora_step(model, opt, grads, lr_times_L=ETA_L, step=3, interval=10)
+    assert out is grads and info == {"applied": False, "layers": {}}
+    assert not kernel.is_deleted() and model.dora.kernel.get_value() is kernel
+    out, info = SC.scalora_step(model, opt, grads, lr_times_L=ETA_L, step=10, interval=10)
+    assert bool(info["applied"]) and set(info["layers"]) == {"dora", "lora_linear", "lora"}
+    assert kernel.is_deleted()  # the merge donated the old kernel

@@ -1,0 +1,164 @@
+"""ScaLoRA's GPU cost on Llama-8B shapes (issue 12, item 6), JAX backend.
+
+Model: ``bench_model_jax``'s nnx Llama twin (bf16 base, vocab 128256), with flax's own
+``nnx.LoRA`` over every projection (fp32 adapter params, lora_b drawn small instead of flax's
+zeros so the column branch can occur), batch 1 × 2048. A step is what a user of
+``dora_jax.scalora_step`` runs: a jitted ``nnx.grad`` of the LM loss w.r.t. the adapters,
+``scalora_step`` (every step, or ScaLoRA-I with I = 10, 100, given the loop's step counter
+as a Python int so that non-merge steps return on the host), a jitted ``optimizer.update``
+(optax AdamW). Variants and statistics as in ``bench_scalora_torch``: the mean step time over
+max(20, I) steps after 3 warm-up steps (ScaLoRA-I's cost is amortised), and the device's
+peak memory (``memory_stats``; not reported on CPU). Ratios against ``lora`` of the same rank.
+
+    python3 -m benchmarks.bench_scalora_jax --ranks 8 64 --layers 8
+    python3 -m benchmarks.bench_scalora_jax --tiny      # a CPU smoke run of the same code
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import time
+
+from benchmarks.measure import write_csv
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # share the GPU with torch
+
+VARIANTS = {"lora": 0, "scalora": 1, "scalora_i10": 10, "scalora_i100": 100}
+FIELDS = ["backend", "variant", "rank", "interval", "steps", "step_mean_ms", "peak_gib",
+          "time_ratio"]  # fmt: skip
+GIB = 2.0**30
+LR, LR_TIMES_L = 1e-5, 1.0  # the cost does not depend on L·η (both branches are computed)
+
+
+def _model(rank: int, n_layers: int, tiny: bool):
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from benchmarks import bench_model_jax as bm
+    from dora_jax.models import llama
+
+    if tiny:
+        cfg = llama.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
+                                num_hidden_layers=n_layers, num_attention_heads=4,
+                                num_key_value_heads=2, head_dim=16)  # fmt: skip
+        model = llama.LlamaForCausalLM(cfg, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    else:
+        model = bm.build_base(n_layers)
+
+    def lora(linear, *, rank, alpha, dtype, rngs):
+        del alpha  # nnx.LoRA has no scaling (s = 1)
+        d_in, d_out = linear.kernel.get_value().shape
+        layer = nnx.LoRA(d_in, rank, d_out, base_module=linear, param_dtype=dtype, rngs=rngs)
+        b = jax.random.normal(rngs.params(), (rank, d_out), jnp.float32) * 0.01
+        layer.lora_b.set_value(b.astype(dtype))
+        return layer
+
+    bm._replace(model, lora, rank=rank, alpha=2 * rank, dtype=jnp.float32, rngs=nnx.Rngs(1))
+    return model, cfg.vocab_size if tiny else bm.VOCAB
+
+
+def measure(rank: int, interval: int, *, layers: int = 8, tiny: bool = False) -> dict:
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from flax import nnx
+
+    from dora_jax.scalora import scalora_step
+
+    model, vocab = _model(rank, layers, tiny)
+    seq = 32 if tiny else 2048
+    ids = jax.random.randint(jax.random.key(0), (1, seq), 0, vocab, dtype=jnp.int32)
+    opt = nnx.Optimizer(model, optax.adamw(LR), wrt=nnx.LoRAParam)
+    diff = nnx.DiffState(0, nnx.LoRAParam)
+
+    def loss(model, ids):
+        logits = model(ids)[:, :-1].astype(jnp.float32)
+        logp = jax.nn.log_softmax(logits, axis=-1)
+        return -jnp.mean(jnp.take_along_axis(logp, ids[:, 1:, None], axis=-1))
+
+    grad = nnx.jit(nnx.grad(loss, argnums=diff))
+
+    @nnx.jit
+    def update(model, opt, grads):
+        opt.update(model, grads)
+
+    count = [0]  # the training loop's step counter (a Python int: see scalora_step)
+
+    def step():
+        grads = grad(model, ids)
+        if interval:
+            grads, _ = scalora_step(
+                model, opt, grads, lr_times_L=LR_TIMES_L, step=count[0], interval=interval
+            )
+        update(model, opt, grads)
+        count[0] += 1
+
+    def ready():
+        jax.block_until_ready(jax.tree.leaves(nnx.state(model, nnx.LoRAParam)))
+
+    for _ in range(3):
+        step()
+    ready()
+    device = jax.devices()[0]
+    stats = device.memory_stats() or {}
+    if "peak_bytes_in_use" in stats and hasattr(device, "reset_memory_stats"):
+        device.reset_memory_stats()
+    steps = max(20, interval)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step()
+    ready()
+    ms = (time.perf_counter() - t0) / steps * 1e3
+    peak = (device.memory_stats() or {}).get("peak_bytes_in_use")
+    return {"backend": jax.default_backend(), "rank": rank, "interval": interval,
+            "steps": steps, "step_mean_ms": round(ms, 2),
+            "peak_gib": None if peak is None else round(peak / GIB, 3)}  # fmt: skip
+
+
+def _bench(out_dir, ranks, *, layers: int = 8, tiny: bool = False) -> list[dict]:
+    import jax
+
+    rows, summary = [], []
+    for rank in ranks:
+        got = {}
+        for name, interval in VARIANTS.items():
+            got[name] = measure(rank, interval, layers=layers, tiny=tiny)
+            jax.clear_caches()
+        for name, row in got.items():
+            row["variant"] = name
+            row["time_ratio"] = round(row["step_mean_ms"] / got["lora"]["step_mean_ms"], 3)
+            rows.append(row)
+            ms, ratio, peak = row["step_mean_ms"], row["time_ratio"], row["peak_gib"]
+            print(f"[scalora_jax] r={rank} {name:<13} {ms:9.2f} ms ({ratio:.3f}× LoRA), "
+                  f"peak {peak} GiB", flush=True)  # fmt: skip
+        for name, target in (("scalora", 1.35), ("scalora_i100", 1.02)):
+            ratio = got[name]["time_ratio"]
+            metric = f"{name}/LoRA step [r={rank}]"
+            summary.append({"bench": "scalora_jax", "metric": metric, "value": ratio,
+                            "target": f"<= {target}", "ok": ratio <= target})  # fmt: skip
+    write_csv(pathlib.Path(out_dir) / "scalora_jax.csv", rows, FIELDS)
+    return summary
+
+
+def run(out_dir: pathlib.Path) -> list[dict]:
+    """``benchmarks.run`` protocol: r = 8 and 64, 8 layers."""
+    return _bench(out_dir, [8, 64])
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ranks", type=int, nargs="+", default=[8, 64])
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--tiny", action="store_true", help="a small model (CPU smoke run)")
+    ap.add_argument("--out", default=os.environ.get("OUT", "out") + "/bench")
+    args = ap.parse_args(argv)
+    for row in _bench(args.out, args.ranks, layers=args.layers, tiny=args.tiny):
+        print(f"{row['metric']}: {row['value']:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
