@@ -3,7 +3,9 @@
 Model: ``dora_jax.models.llama`` with hidden 4096, intermediate 14336, 32 heads, 8 KV heads,
 vocab 128256, random bf16 weights, FEWER LAYERS than Llama-3-8B's 32 (default 4, env
 ``DORA_BENCH_JAX_LAYERS``: XLA compiles every provider's unrolled layers, which dominates this
-benchmark's time). Adapters r = 384, alpha = 768. Input: batch 1, seq 2048; full LM head.
+benchmark's time). Adapters r = 384 (env ``DORA_BENCH_JAX_RANKS``, e.g. "16,384"), alpha = 2r.
+Input: batch 1, seq 2048; full LM head. ``DORA_BENCH_JAX_TINY=1`` swaps in a small model (the
+same code on CPU, as a smoke run).
 
 Providers (each on a fresh ``nnx.merge`` of the same base state; bf16 activations):
   - ``jnp_lora``: plain jnp LoRA (``dora_jax.baselines.lora_dense``), bf16 adapters;
@@ -14,14 +16,17 @@ Providers (each on a fresh ``nnx.merge`` of the same base state; bf16 activation
 
 Metrics: ``inference_ms`` (jitted forward; ours with ``freeze_norm()``, the norm computed once
 for a fixed adapter), ``inference_cold_ms`` (ours recomputing the norm in every call),
-``grad_ms`` (jitted value-and-grad of the LM loss w.r.t. the adapter parameters), medians of
-10 calls after 3 warm-ups, and XLA's compiled temp sizes (``memory_analysis``) for both.
+``grad_ms`` (jitted value-and-grad of the LM loss w.r.t. the adapter parameters),
+``train_ms`` (one jitted training step: that value-and-grad, then optax AdamW's update of the
+adapters, adapters and optimizer state donated), medians of 10 calls after 3 warm-ups, and
+XLA's compiled temp sizes (``memory_analysis``) for each.
 
     DORA_BENCH_JAX_LAYERS=4 python3 -m benchmarks.run --only model_jax --skip-tests
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import pathlib
@@ -32,7 +37,7 @@ from benchmarks.measure import error_text, log_row, write_csv
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # share the GPU with torch
 
 HIDDEN, INTERMEDIATE, HEADS, KV_HEADS, HEAD_DIM, VOCAB = 4096, 14336, 32, 8, 128, 128256
-SEQ, BATCH, RANK, ALPHA = 2048, 1, 384, 768
+SEQ, BATCH = 2048, 1
 TARGET = r"(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)$"
 PROVIDERS = {
     "jnp_lora": "jnp LoRA, bf16 adapters",
@@ -46,6 +51,14 @@ GIB = 2.0**30
 
 def layers() -> int:
     return int(os.environ.get("DORA_BENCH_JAX_LAYERS", "4"))
+
+
+def ranks() -> list[int]:
+    return [int(r) for r in os.environ.get("DORA_BENCH_JAX_RANKS", "384").split(",") if r]
+
+
+def _tiny() -> bool:
+    return os.environ.get("DORA_BENCH_JAX_TINY", "0") == "1"
 
 
 def _baseline_layer(kind: str):
@@ -118,10 +131,14 @@ def build_base(n_layers: int):
         num_key_value_heads=KV_HEADS,
         head_dim=HEAD_DIM,
     )
+    if _tiny():
+        cfg = llama.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
+                                num_hidden_layers=n_layers, num_attention_heads=4,
+                                num_key_value_heads=2, head_dim=16)  # fmt: skip
     return llama.LlamaForCausalLM(cfg, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
 
 
-def _adapt(model, name: str):
+def _adapt(model, name: str, rank: int):
     """Put provider ``name``'s adapters into ``model`` (in place)."""
     import jax.numpy as jnp
     from flax import nnx
@@ -130,14 +147,14 @@ def _adapt(model, name: str):
     if name in ("jnp_lora", "jnp_dora_naive"):
         kind = "lora" if name == "jnp_lora" else "dora"
         _replace(
-            model, _baseline_layer(kind), rank=RANK, alpha=ALPHA, dtype=jnp.bfloat16, rngs=rngs
+            model, _baseline_layer(kind), rank=rank, alpha=2 * rank, dtype=jnp.bfloat16, rngs=rngs
         )
         return
     import dora_jax
     from dora_jax import DoraDense
 
     dtype = jnp.float32 if name == "ours_f32" else jnp.bfloat16
-    dora_jax.inject(model, target=TARGET, rank=RANK, alpha=ALPHA, rngs=rngs, adapter_dtype=dtype)
+    dora_jax.inject(model, target=TARGET, rank=rank, alpha=2 * rank, rngs=rngs, adapter_dtype=dtype)
     for _, node in nnx.iter_graph(model):
         if isinstance(node, DoraDense):
             node.cache_base_sq()
@@ -154,6 +171,34 @@ def _freeze_norms(model) -> bool:
     return bool(layers)
 
 
+def _train_step(value_and_grad, adapters, rest, ids) -> dict:
+    """Time and temp memory of a jitted training step: value-and-grad, then AdamW's update
+    (adapters and optimizer state donated, as a training loop would)."""
+    import jax
+    import optax
+
+    from .measure import jax_temp_bytes, jax_time_ms
+
+    tx = optax.adamw(1e-5)
+
+    @functools.partial(jax.jit, donate_argnums=(0, 1))
+    def train(adapters, opt_state, rest, ids):
+        loss, grads = value_and_grad(adapters, rest, ids)
+        updates, opt_state = tx.update(grads, opt_state, adapters)
+        return optax.apply_updates(adapters, updates), opt_state, loss
+
+    # copies: the step donates its adapters and state, and the caller still uses adapters
+    state = [jax.tree.map(lambda t: t.copy(), adapters)]
+    state.append(tx.init(state[0]))
+    temp = jax_temp_bytes(train, state[0], state[1], rest, ids)
+
+    def call():
+        state[0], state[1], loss = train(state[0], state[1], rest, ids)
+        return loss
+
+    return {"train_ms": jax_time_ms(call), "train_temp_gib": (temp or 0) / GIB}
+
+
 def _measure(model, ids) -> dict:
     import jax
     import jax.numpy as jnp
@@ -168,8 +213,7 @@ def _measure(model, ids) -> dict:
         def forward(adapters, rest, ids):
             return nnx.merge(gdef, adapters, rest)(ids)
 
-        @jax.jit
-        def grad(adapters, rest, ids):
+        def value_and_grad(adapters, rest, ids):
             def loss(adapters):
                 logits = nnx.merge(gdef, adapters, rest)(ids)[:, :-1].astype(jnp.float32)
                 logp = jax.nn.log_softmax(logits, axis=-1)
@@ -177,21 +221,22 @@ def _measure(model, ids) -> dict:
 
             return jax.value_and_grad(loss)(adapters)
 
-        return forward, grad, adapters, rest
+        return forward, jax.jit(value_and_grad), value_and_grad, adapters, rest
 
     res = {}
-    forward, grad, adapters, rest = jitted(model)
+    forward, grad, value_and_grad, adapters, rest = jitted(model)
     res["grad_temp_gib"] = (jax_temp_bytes(grad, adapters, rest, ids) or 0) / GIB
     res["grad_ms"] = jax_time_ms(lambda: grad(adapters, rest, ids))
+    res.update(_train_step(value_and_grad, adapters, rest, ids))
     if _freeze_norms(model):  # ours: the cold forward first, then the frozen-norm one
         res["inference_cold_ms"] = jax_time_ms(lambda: forward(adapters, rest, ids))
-        forward, _, adapters, rest = jitted(model)
+        forward, _, _, adapters, rest = jitted(model)
     res["inference_temp_gib"] = (jax_temp_bytes(forward, adapters, rest, ids) or 0) / GIB
     res["inference_ms"] = jax_time_ms(lambda: forward(adapters, rest, ids))
     return res
 
 
-def _summary(by_name: dict[str, dict], n_layers: int) -> list[dict]:
+def _summary(by_name: dict[str, dict], n_layers: int, rank: int) -> list[dict]:
     out = []
 
     def ratio(a, b, key):
@@ -201,13 +246,17 @@ def _summary(by_name: dict[str, dict], n_layers: int) -> list[dict]:
     def add(metric, value, limit=None):
         if value is None:
             return
-        row = dict(bench="model_jax", metric=f"{metric} [{n_layers}L]", value=value)
+        row = dict(bench="model_jax", metric=f"{metric} [{n_layers}L r={rank}]", value=value)
         if limit is not None:
             row.update(target=f"<= {limit}", ok=value <= limit)
         out.append(row)
 
     for ours in ("ours_f32", "ours_bf16"):
-        for key, what in (("inference_ms", "inference"), ("grad_ms", "grad step")):
+        for key, what in (
+            ("inference_ms", "inference"),
+            ("grad_ms", "grad step"),
+            ("train_ms", "training step"),
+        ):
             add(
                 f"{ours} / jnp LoRA bf16, {what} time",
                 ratio(ours, "jnp_lora", key),
@@ -231,29 +280,34 @@ def run(out_dir: pathlib.Path) -> list[dict]:
 
     free_cuda()  # hand torch's cached blocks back before XLA allocates
     n_layers = layers()
+    vocab, seq = (256, 32) if _tiny() else (VOCAB, SEQ)
+    what = "a tiny model" if _tiny() else "Llama-8B shapes"
     print(
-        f"[model_jax] Llama-8B shapes with {n_layers} layers (of 32), r={RANK}, seq {SEQ}, "
+        f"[model_jax] {what} with {n_layers} layers, r={ranks()}, seq {seq}, "
         f"backend {jax.default_backend()}"
     )
     base = build_base(n_layers)
     gdef, state = nnx.split(base)
-    ids = jax.random.randint(jax.random.key(0), (BATCH, SEQ), 0, VOCAB, dtype=jnp.int32)
-    rows, by_name = [], {}
-    for name, label in PROVIDERS.items():
-        row = dict(provider=name, label=label, layers=n_layers, error="")
-        try:
-            model = nnx.merge(gdef, state)  # a fresh module tree over the same base arrays
-            _adapt(model, name)
-            row.update(_measure(model, ids))
-            by_name[name] = row
-        except Exception as e:  # one failing provider must not end the others
-            traceback.print_exc()
-            row["error"] = error_text(e)
-        finally:
-            model = None
-            jax.clear_caches()
-        rows.append(row)
-        log_row("model_jax", name, row)
+    ids = jax.random.randint(jax.random.key(0), (BATCH, seq), 0, vocab, dtype=jnp.int32)
+    rows, summary = [], []
+    for rank in ranks():
+        by_name = {}
+        for name, label in PROVIDERS.items():
+            row = dict(provider=name, label=label, layers=n_layers, rank=rank, error="")
+            try:
+                model = nnx.merge(gdef, state)  # a fresh module tree over the same base arrays
+                _adapt(model, name, rank)
+                row.update(_measure(model, ids))
+                by_name[name] = row
+            except Exception as e:  # one failing provider must not end the others
+                traceback.print_exc()
+                row["error"] = error_text(e)
+            finally:
+                model = None
+                jax.clear_caches()
+            rows.append(row)
+            log_row("model_jax", name, row)
+        summary += _summary(by_name, n_layers, rank)
 
     out_dir = pathlib.Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -261,12 +315,15 @@ def run(out_dir: pathlib.Path) -> list[dict]:
         "provider",
         "label",
         "layers",
+        "rank",
         "inference_ms",
         "inference_cold_ms",
         "grad_ms",
+        "train_ms",
         "inference_temp_gib",
         "grad_temp_gib",
+        "train_temp_gib",
         "error",
     ]
     write_csv(out_dir / "model_jax.csv", rows, fields)
-    return _summary(by_name, n_layers)
+    return summary
