@@ -38,7 +38,8 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # share the GPU
 
 HIDDEN, INTERMEDIATE, HEADS, KV_HEADS, HEAD_DIM, VOCAB = 4096, 14336, 32, 8, 128, 128256
 SEQ, BATCH = 2048, 1
-TARGET = r"(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)$"
+TARGET_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+TARGET = rf"({'|'.join(TARGET_NAMES)})$"  # the baselines' matching (a regex over the path)
 PROVIDERS = {
     "jnp_lora": "jnp LoRA, bf16 adapters",
     "jnp_dora_naive": "naive jnp DoRA (dense K + s·a·b), bf16 adapters",
@@ -154,7 +155,8 @@ def _adapt(model, name: str, rank: int):
     from dora_jax import DoraDense
 
     dtype = jnp.float32 if name == "ours_f32" else jnp.bfloat16
-    dora_jax.inject(model, target=TARGET, rank=rank, alpha=2 * rank, rngs=rngs, adapter_dtype=dtype)
+    dora_jax.inject(model, target_modules=list(TARGET_NAMES), r=rank, lora_alpha=2 * rank,
+                    rngs=rngs, adapter_dtype=dtype)  # fmt: skip
     for _, node in nnx.iter_graph(model):
         if isinstance(node, DoraDense):
             node.cache_base_sq()
