@@ -53,12 +53,19 @@ class AccelerationReport:
         return "\n".join(lines)
 
 
-def _peft_classes():
-    from peft.tuners.lora.layer import Linear as LoraLinear
-    from peft.tuners.lora.layer import LoraLayer
-    from peft.tuners.lora.variants import DoraLinearVariant
+_PEFT_CLASSES: tuple | None = None  # peft is optional: imported on first use, then kept
 
-    return LoraLayer, LoraLinear, DoraLinearVariant
+
+def _peft_classes():
+    """(LoraLayer, LoraLinear, DoraLinearVariant); the hot path asks on every call."""
+    global _PEFT_CLASSES
+    if _PEFT_CLASSES is None:
+        from peft.tuners.lora.layer import Linear as LoraLinear
+        from peft.tuners.lora.layer import LoraLayer
+        from peft.tuners.lora.variants import DoraLinearVariant
+
+        _PEFT_CLASSES = (LoraLayer, LoraLinear, DoraLinearVariant)
+    return _PEFT_CLASSES
 
 
 def _why_not(module, LoraLinear, DoraLinearVariant) -> str | None:
@@ -87,18 +94,19 @@ def _why_not(module, LoraLinear, DoraLinearVariant) -> str | None:
     return None
 
 
-def _active_dora_adapter(module, x, args, kwargs, DoraLinearVariant) -> str | None:
-    """The adapter the fast path computes for this call, or None to use PEFT's path."""
+def _active_dora_adapter(module, base, x, args, kwargs) -> str | None:
+    """The adapter the fast path computes for this call on ``base`` (the module's base
+    layer), or None to use PEFT's path."""
     if args or kwargs or module.disable_adapters or module.merged:
         return None
     active = [a for a in module.active_adapters if a in module.lora_A]
     if len(active) != 1:
         return None
     a = active[0]
-    if type(module.lora_variant.get(a)) is not DoraLinearVariant:
+    if type(module.lora_variant.get(a)) is not _peft_classes()[2]:
         return None
-    base = module.get_base_layer()
-    if x.dtype != base.weight.dtype or base.weight.requires_grad:
+    weight = base.weight
+    if x.dtype != weight.dtype or weight.requires_grad:
         return None
     if not isinstance(module.lora_dropout[a], nn.Identity | nn.Dropout):
         return None
@@ -108,9 +116,8 @@ def _active_dora_adapter(module, x, args, kwargs, DoraLinearVariant) -> str | No
 def _adapter_tensors(module):
     """(W, A, B, s, impl) of the adapter the fast path computes for ``module`` in its current
     state (for the norm cache's eval buffer), or None."""
-    _, _, DoraLinearVariant = _peft_classes()
     base = module.get_base_layer()
-    a = _active_dora_adapter(module, base.weight, (), {}, DoraLinearVariant)
+    a = _active_dora_adapter(module, base, base.weight, (), {})
     if a is None:
         return None
     scaling = float(module.scaling[a])
@@ -120,15 +127,14 @@ def _adapter_tensors(module):
 def _accelerated_forward(self, x, *args, **kwargs):
     """PEFT lora.Linear.forward on dora_torch for the common case; PEFT's own otherwise.
     ``self.last_impl`` records which ran: "fused" / "eager" (ours) or "peft"."""
-    _, _, DoraLinearVariant = _peft_classes()
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor; got {type(x).__name__}")
-    a = _active_dora_adapter(self, x, args, kwargs, DoraLinearVariant)
+    base = self.get_base_layer()
+    a = _active_dora_adapter(self, base, x, args, kwargs)
     if a is None:
         if not torch.compiler.is_compiling():
             self.last_impl = "peft"
         return type(self).forward(self, x, *args, **kwargs)
-    base = self.get_base_layer()
     drop = self.lora_dropout[a]
     y, tier = module_dora_linear(
         self._dora_norm_cache,

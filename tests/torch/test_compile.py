@@ -114,3 +114,29 @@ def test_compile_fullgraph_under_autocast(train):
         y_ref = layer(x)
     assert y.dtype == torch.bfloat16
     torch.testing.assert_close(y, y_ref)
+
+
+@pytest.mark.parametrize("train", [False, True])
+def test_compile_fullgraph_accelerated_peft_layer(train):
+    """A PEFT layer under accelerate_peft traces with no graph break (its fast-path checks
+    included) and computes what it computes eagerly."""
+    pytest.importorskip("peft")
+    from tests.parity.models import peft_dora, tiny_llama
+
+    torch._dynamo.reset()
+    pm = peft_dora(tiny_llama(), target_modules=["q_proj"])
+    dora_torch.accelerate_peft(pm, impl="eager")
+    layer = pm.base_model.model.model.layers[0].self_attn.q_proj
+    layer.train(train)
+    x = torch.randn(2, 5, 32, requires_grad=train)
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    y = compiled(x)
+    torch.testing.assert_close(y, layer(x))
+    assert layer.last_impl == "eager"
+    if train:
+        y.square().sum().backward()
+        grads = [p.grad.clone() for p in layer.parameters() if p.requires_grad]
+        layer.zero_grad()
+        layer(x).square().sum().backward()
+        for g, p in zip(grads, [p for p in layer.parameters() if p.requires_grad], strict=True):
+            torch.testing.assert_close(g, p.grad)
