@@ -144,7 +144,9 @@ class NormCache:
         checks.check_adapter(weight, lora_A, lora_B)  # named errors before any GEMM
         # A value computed under torch.inference_mode() would be an inference tensor, which a
         # later training step could not save for backward (validation between training steps).
-        with torch.inference_mode(False):
+        # Autocast off: the entry is keyed on the tensors, not on the caller's context, so it
+        # must be the norm of the precision rule (docs/design.md §5) whoever computes it.
+        with torch.inference_mode(False), torch.autocast(weight.device.type, enabled=False):
             if self.group is not None:
                 value = self.group.refresh(self, weight, lora_A, lora_B, scaling, impl, dtype)
                 if value is not None:

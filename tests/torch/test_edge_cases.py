@@ -331,6 +331,21 @@ def test_autocast_runs_the_layer_in_the_autocast_dtype():
     torch.testing.assert_close(y.detach(), ref.detach(), rtol=0, atol=0)
 
 
+def test_the_cached_norm_does_not_depend_on_the_callers_autocast():
+    """The cache key holds the tensors, not the caller's context: a norm first computed inside
+    an autocast forward (HF Trainer's bf16 mode, fp32 weights) must be the fp32-weight norm
+    of the precision rule, not one from bf16 GEMMs."""
+    torch.manual_seed(0)
+    layer = dora_torch.Linear(64, 48, r=4, lora_alpha=8)
+    with torch.no_grad():
+        layer.lora_B.normal_(0, 0.1)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        layer(torch.randn(6, 64))
+    inside = layer.norm(impl="eager").clone()
+    dora_torch.clear_caches(layer)
+    assert torch.equal(inside, layer.norm(impl="eager"))
+
+
 @pytest.mark.parametrize("lead", [(6,), (2, 3)])
 def test_in_place_edit_of_a_recovered_output_is_refused(lead):
     """Fused, no bias, bf16: backward recovers inner from y (ops.SAVE_RECOVER), so editing y in
