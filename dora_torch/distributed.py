@@ -18,7 +18,8 @@ tensors. Three things go wrong around the per-module caches (docs/design.md §8)
    version counters): the cache would serve a stale norm. The pre-hook stamps the persistent
    sharded parameters instead (DTensor identity and version, which every in-place write
    moves) and clears the module's cache when one of W, A, B was written; a written W also
-   gets its ‖W‖² recomputed once.
+   gets its ‖W‖² recomputed once. Without ``prepare_fsdp``, call
+   ``dora_torch.clear_caches(model)`` after such writes.
 3. Eval mode breaks: ``model.eval()``, and later ``load_state_dict`` and optimizer steps in
    eval mode, refresh each module's eval-norm buffer from its parameters, which are sharded
    DTensors at that point, and the next eager eval forward fails copying its plain norm into
