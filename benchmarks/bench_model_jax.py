@@ -38,6 +38,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # share the GPU
 
 HIDDEN, INTERMEDIATE, HEADS, KV_HEADS, HEAD_DIM, VOCAB = 4096, 14336, 32, 8, 128, 128256
 SEQ, BATCH = 2048, 1
+TINY_VOCAB, TINY_SEQ = 256, 32  # the smoke-run model (build_base(tiny=True))
 TARGET_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 TARGET = rf"({'|'.join(TARGET_NAMES)})$"  # the baselines' matching (a regex over the path)
 PROVIDERS = {
@@ -117,25 +118,32 @@ def _replace(model, layer_cls, *, rank, alpha, dtype, rngs) -> int:
     return len(found)
 
 
-def build_base(n_layers: int):
+def vocab_and_seq(tiny: bool) -> tuple[int, int]:
+    """(vocabulary size, sequence length) of the bench model, or of the tiny smoke model."""
+    return (TINY_VOCAB, TINY_SEQ) if tiny else (VOCAB, SEQ)
+
+
+def build_base(n_layers: int, *, tiny: bool | None = None):
+    """The Llama-8B-shaped nnx twin with ``n_layers`` layers, bf16, fixed seed; ``tiny`` (default:
+    ``DORA_BENCH_JAX_TINY``) swaps in a small config with the same structure (CPU smoke runs
+    of the JAX benches)."""
     import jax.numpy as jnp
     from flax import nnx
 
     from dora_jax.models import llama
 
+    tiny = _tiny() if tiny is None else tiny
+    shape = (64, 128, 4, 2, 16) if tiny else (HIDDEN, INTERMEDIATE, HEADS, KV_HEADS, HEAD_DIM)
+    hidden, intermediate, heads, kv_heads, head_dim = shape
     cfg = llama.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=HIDDEN,
-        intermediate_size=INTERMEDIATE,
+        vocab_size=vocab_and_seq(tiny)[0],
+        hidden_size=hidden,
+        intermediate_size=intermediate,
         num_hidden_layers=n_layers,
-        num_attention_heads=HEADS,
-        num_key_value_heads=KV_HEADS,
-        head_dim=HEAD_DIM,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
     )
-    if _tiny():
-        cfg = llama.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
-                                num_hidden_layers=n_layers, num_attention_heads=4,
-                                num_key_value_heads=2, head_dim=16)  # fmt: skip
     return llama.LlamaForCausalLM(cfg, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
 
 
@@ -282,7 +290,7 @@ def run(out_dir: pathlib.Path) -> list[dict]:
 
     free_cuda()  # hand torch's cached blocks back before XLA allocates
     n_layers = layers()
-    vocab, seq = (256, 32) if _tiny() else (VOCAB, SEQ)
+    vocab, seq = vocab_and_seq(_tiny())
     what = "a tiny model" if _tiny() else "Llama-8B shapes"
     print(
         f"[model_jax] {what} with {n_layers} layers, r={ranks()}, seq {seq}, "

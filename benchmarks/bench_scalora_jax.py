@@ -21,11 +21,12 @@ import os
 import pathlib
 import time
 
+from benchmarks import bench_model_jax as bm
+from benchmarks.bench_scalora_torch import VARIANTS, summary_rows
 from benchmarks.measure import write_csv
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # share the GPU with torch
 
-VARIANTS = {"lora": 0, "scalora": 1, "scalora_i10": 10, "scalora_i100": 100}
 FIELDS = ["backend", "variant", "rank", "interval", "steps", "step_mean_ms", "peak_gib",
           "time_ratio"]  # fmt: skip
 GIB = 2.0**30
@@ -37,16 +38,7 @@ def _model(rank: int, n_layers: int, tiny: bool):
     import jax.numpy as jnp
     from flax import nnx
 
-    from benchmarks import bench_model_jax as bm
-    from dora_jax.models import llama
-
-    if tiny:
-        cfg = llama.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
-                                num_hidden_layers=n_layers, num_attention_heads=4,
-                                num_key_value_heads=2, head_dim=16)  # fmt: skip
-        model = llama.LlamaForCausalLM(cfg, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
-    else:
-        model = bm.build_base(n_layers)
+    model = bm.build_base(n_layers, tiny=tiny)
 
     def lora(linear, *, rank, alpha, dtype, rngs):
         del alpha  # nnx.LoRA has no scaling (s = 1)
@@ -57,7 +49,7 @@ def _model(rank: int, n_layers: int, tiny: bool):
         return layer
 
     bm._replace(model, lora, rank=rank, alpha=2 * rank, dtype=jnp.float32, rngs=nnx.Rngs(1))
-    return model, cfg.vocab_size if tiny else bm.VOCAB
+    return model
 
 
 def measure(rank: int, interval: int, *, layers: int = 8, tiny: bool = False) -> dict:
@@ -68,8 +60,8 @@ def measure(rank: int, interval: int, *, layers: int = 8, tiny: bool = False) ->
 
     from dora_jax.scalora import scalora_step
 
-    model, vocab = _model(rank, layers, tiny)
-    seq = 32 if tiny else 2048
+    model = _model(rank, layers, tiny)
+    vocab, seq = bm.vocab_and_seq(tiny)
     ids = jax.random.randint(jax.random.key(0), (1, seq), 0, vocab, dtype=jnp.int32)
     opt = nnx.Optimizer(model, optax.adamw(LR), wrt=nnx.LoRAParam)
     diff = nnx.DiffState(0, nnx.LoRAParam)
@@ -134,11 +126,7 @@ def _bench(out_dir, ranks, *, layers: int = 8, tiny: bool = False) -> list[dict]
             ms, ratio, peak = row["step_mean_ms"], row["time_ratio"], row["peak_gib"]
             print(f"[scalora_jax] r={rank} {name:<13} {ms:9.2f} ms ({ratio:.3f}× LoRA), "
                   f"peak {peak} GiB", flush=True)  # fmt: skip
-        for name, target in (("scalora", 1.35), ("scalora_i100", 1.02)):
-            ratio = got[name]["time_ratio"]
-            metric = f"{name}/LoRA step [r={rank}]"
-            summary.append({"bench": "scalora_jax", "metric": metric, "value": ratio,
-                            "target": f"<= {target}", "ok": ratio <= target})  # fmt: skip
+        summary += summary_rows("scalora_jax", rank, got)
     write_csv(pathlib.Path(out_dir) / "scalora_jax.csv", rows, FIELDS)
     return summary
 

@@ -31,6 +31,7 @@ import pathlib
 import statistics
 import time
 
+from benchmarks import bench_model_jax as bm
 from benchmarks.measure import write_csv
 
 PROVIDERS = ("jnp_lora", "ours")
@@ -44,17 +45,9 @@ def _model(provider: str, rank: int, layers: int, tiny: bool):
     from flax import nnx
 
     import dora_jax
-    from benchmarks import bench_model_jax as bm
-    from dora_jax.models import llama
     from dora_jax.sharding import LLAMA_TP_RULES, annotate
 
-    if tiny:
-        cfg = llama.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
-                                num_hidden_layers=layers, num_attention_heads=4,
-                                num_key_value_heads=2, head_dim=16)  # fmt: skip
-        model = llama.LlamaForCausalLM(cfg, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
-    else:
-        model = bm.build_base(layers)
+    model = bm.build_base(layers, tiny=tiny)
     annotate(model, LLAMA_TP_RULES)
     rngs = nnx.Rngs(1)
     if provider == "jnp_lora":
@@ -63,7 +56,7 @@ def _model(provider: str, rank: int, layers: int, tiny: bool):
     else:
         dora_jax.inject(model, target_modules=list(bm.TARGET_NAMES), r=rank,
                         lora_alpha=2 * rank, rngs=rngs, adapter_dtype=jnp.bfloat16)  # fmt: skip
-    return model, (256 if tiny else bm.VOCAB)
+    return model, bm.vocab_and_seq(tiny)[0]
 
 
 def measure(provider, rank, mesh, *, layers, batch, seq, tiny) -> dict:
@@ -126,7 +119,8 @@ def main(argv=None) -> int:
     auto = jax.sharding.AxisType.Auto
     mesh = jax.make_mesh(tuple(args.mesh), ("data", "model"), axis_types=(auto, auto),
                          devices=devices[:n])  # fmt: skip
-    seq = 32 if args.tiny else 2048
+
+    seq = bm.vocab_and_seq(args.tiny)[1]
     layers = 2 if args.tiny else args.layers
     rows = []
     for rank in args.ranks:

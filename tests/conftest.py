@@ -7,6 +7,7 @@ here, before the test modules import the package.
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -34,3 +35,21 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def x64():
+    """jax_enable_x64 for the duration of one test; the previous setting is restored."""
+    import jax
+
+    before = jax.config.jax_enable_x64
+    if before:
+        context = contextlib.nullcontext()
+    elif hasattr(jax, "enable_x64"):  # jax >= 0.10: a config context manager
+        context = jax.enable_x64(True)
+    else:
+        context = jax.experimental.enable_x64()  # older jax
+    with context:
+        assert jax.config.jax_enable_x64
+        yield
+    assert jax.config.jax_enable_x64 == before

@@ -6,8 +6,6 @@ x64 is switched on only inside each test (the ``x64`` fixture) so no other test 
 
 from __future__ import annotations
 
-import contextlib
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -23,22 +21,6 @@ from shared_spec.cases import CASES
 F64 = jnp.float64
 TOL = 1e-12  # relative (Frobenius) error allowed against the float64 spec
 IMPLS = ["xla", "pallas"]
-
-
-def _x64_context():
-    if hasattr(jax, "enable_x64"):  # jax >= 0.10: a config context manager
-        return jax.enable_x64(True)
-    return jax.experimental.enable_x64()  # older jax
-
-
-@pytest.fixture
-def x64():
-    """x64 for the duration of one test; the previous setting is restored afterwards."""
-    before = jax.config.jax_enable_x64
-    with _x64_context() if not before else contextlib.nullcontext():
-        assert jax.config.jax_enable_x64
-        yield
-    assert jax.config.jax_enable_x64 == before
 
 
 def _rel(actual, ref) -> float:

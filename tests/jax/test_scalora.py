@@ -5,8 +5,6 @@ x64 is switched on only inside the tests that need it (the ``x64`` fixture).
 
 from __future__ import annotations
 
-import contextlib
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,16 +19,6 @@ from shared_spec import scalora as SS
 
 F64 = jnp.float64
 ETA_L = 0.75  # lr_times_L in project units
-
-
-@pytest.fixture
-def x64():
-    """x64 for the duration of one test; the previous setting is restored afterwards."""
-    before = jax.config.jax_enable_x64
-    with jax.enable_x64(True) if not before else contextlib.nullcontext():
-        assert jax.config.jax_enable_x64
-        yield
-    assert jax.config.jax_enable_x64 == before
 
 
 def _close(actual, ref, tol=1e-10):

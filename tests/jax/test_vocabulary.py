@@ -48,21 +48,20 @@ def test_from_linear_and_linen_take_peft_names():
     assert params["lora_a"].shape == (16, 2) and params["lora_b"].shape == (2, 12)
 
 
+# Every constructor that takes the adapter's hyperparameters, called with keyword dict kw.
+MAKERS = [
+    lambda kw: DoraDense(16, 12, rngs=nnx.Rngs(0), **kw),
+    lambda kw: DoraDense.from_linear(nnx.Linear(16, 12, rngs=nnx.Rngs(0)), rngs=nnx.Rngs(1), **kw),
+    lambda kw: LinenDoraDense(12, **kw),
+]
+MAKER_IDS = ["nnx", "from_linear", "linen"]
+
+
 def _deprecations(record):
     return [w for w in record if issubclass(w.category, DeprecationWarning)]
 
 
-@pytest.mark.parametrize(
-    "make",
-    [
-        lambda kw: DoraDense(16, 12, rngs=nnx.Rngs(0), **kw),
-        lambda kw: DoraDense.from_linear(
-            nnx.Linear(16, 12, rngs=nnx.Rngs(0)), rngs=nnx.Rngs(1), **kw
-        ),
-        lambda kw: LinenDoraDense(12, **kw),
-    ],
-    ids=["nnx", "from_linear", "linen"],
-)
+@pytest.mark.parametrize("make", MAKERS, ids=MAKER_IDS)
 def test_old_names_warn_and_still_work(make):
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
@@ -79,17 +78,7 @@ def test_old_names_warn_and_still_work(make):
     assert old.r == new.r == 4 and old.lora_alpha == new.lora_alpha == 8
 
 
-@pytest.mark.parametrize(
-    "make",
-    [
-        lambda kw: DoraDense(16, 12, rngs=nnx.Rngs(0), **kw),
-        lambda kw: DoraDense.from_linear(
-            nnx.Linear(16, 12, rngs=nnx.Rngs(0)), rngs=nnx.Rngs(1), **kw
-        ),
-        lambda kw: LinenDoraDense(12, **kw),
-    ],
-    ids=["nnx", "from_linear", "linen"],
-)
+@pytest.mark.parametrize("make", MAKERS, ids=MAKER_IDS)
 def test_both_names_or_neither_is_a_type_error(make):
     with pytest.raises(TypeError, match=r"'r'.*'rank'"):
         make({"r": 4, "rank": 4, "lora_alpha": 8})

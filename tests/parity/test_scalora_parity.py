@@ -20,8 +20,6 @@ with the same weights, each with its own autograd gradients: same merge, outputs
 
 from __future__ import annotations
 
-import contextlib
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -44,16 +42,6 @@ SCALING = 1.5
 # (d_out, d_in, r, seed) chosen so the spec takes the named branch on a well-conditioned K
 # (the tests assert the branch, so a change in the generator cannot silently swap cases).
 CASES = {"column": (8, 6, 3, 1), "scalar": (7, 5, 2, 4)}
-
-
-@pytest.fixture
-def x64():
-    """jax_enable_x64 for the duration of one test; the previous setting is restored."""
-    before = jax.config.jax_enable_x64
-    with jax.enable_x64(True) if not before else contextlib.nullcontext():
-        assert jax.config.jax_enable_x64
-        yield
-    assert jax.config.jax_enable_x64 == before
 
 
 def _close(got, want, tol=1e-10, what=""):
