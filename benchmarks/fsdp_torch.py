@@ -3,7 +3,7 @@
 Launched by torchrun, one process per GPU (not part of ``make gpu``, which is one process):
 
     torchrun --nproc-per-node 2 -m benchmarks.fsdp_torch --ranks 16 384
-    torchrun --nproc-per-node 1 -m benchmarks.fsdp_torch --ranks 16 384   # the 1-GPU point
+    torchrun --nproc-per-node 1 -m benchmarks.fsdp_torch --ranks 16 384 --batch 4  # 1 GPU
     torchrun --nproc-per-node 2 -m benchmarks.fsdp_torch --tiny            # CPU smoke (gloo)
 
 Model: ``bench_model_torch``'s 8-layer Llama-8B-shaped model (every rank builds the bf16 base on
@@ -12,11 +12,14 @@ on all seven projections (``lora_alpha = 2r``), bf16 adapters (``autocast_adapte
 or PEFT's fp32 default (``--adapters fp32``); ours = ``accelerate_peft`` on the PEFT DoRA
 model, then ``prepare_fsdp``. FSDP2: ``fully_shard`` on every decoder layer and on the root,
 ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``. Batch ``--batch`` × 2048 per
-GPU. A step is ``zero_grad → forward → backward → AdamW.step()``; reported per provider: the
-median step time over 10 steps after 3 warm-up steps (max over ranks), tokens per second over
-all ranks, and the peak memory per GPU (max over ranks) of one step over what was allocated
-before it. Rank 0 writes ``fsdp_torch.csv`` (one row per provider and rank r; ``world`` says
-how many GPUs, so 1- and 2-GPU runs append comparable rows). NCCL's NVLink multicast stays
+GPU. A step is ``zero_grad → forward → backward → AdamW.step()`` (lr 1e-4); reported per
+provider: the median step time over 10 steps after 3 warm-up steps (max over ranks), tokens
+per second over all ranks, the peak memory per GPU (max over ranks) of one step over what was
+allocated before it, and the mean loss over the global batch at the first and the last step
+(``loss_first``, ``loss_last``). The global batch is drawn from one seed and split over the
+ranks, so a 1-GPU run with ``--batch 4`` sees the data of a 2-GPU run with ``--batch 2``: their
+losses, and ours against PEFT DoRA's in one run, must agree to bf16 noise. Rank 0 writes
+``fsdp_torch_world{N}.csv`` (one row per provider and rank r). NCCL's NVLink multicast stays
 off (the lent machines require it): ``NCCL_NVLS_ENABLE=0`` and friends are set if unset.
 """
 
@@ -33,7 +36,8 @@ for _var in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DI
 
 PROVIDERS = ("peft_lora", "peft_dora", "ours")
 FIELDS = ["date", "commit", "gpu", "world", "provider", "adapters", "rank", "batch_per_gpu",
-          "seq", "step_ms", "tokens_per_s", "peak_gib_per_gpu", "error"]  # fmt: skip
+          "seq", "step_ms", "tokens_per_s", "peak_gib_per_gpu", "loss_first", "loss_last",
+          "error"]  # fmt: skip
 GIB = 2.0**30
 
 
@@ -82,15 +86,20 @@ def measure(provider, rank, adapters, *, batch, seq, tiny, device, steps=10) -> 
     param_dtype = torch.bfloat16 if device.type == "cuda" else None
     model = _sharded(_base(tiny, device), provider, rank, adapters, param_dtype)
     vocab = model.base_model.model.config.vocab_size
-    g = torch.Generator().manual_seed(dist.get_rank())
-    ids = torch.randint(0, vocab, (batch, seq), generator=g).to(device)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-6)
+    world, me = dist.get_world_size(), dist.get_rank()
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab, (world * batch, seq), generator=g)[me * batch : (me + 1) * batch]
+    ids = ids.to(device)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     model.train()
+    losses = []
 
     def step():
         opt.zero_grad(set_to_none=True)
-        model(input_ids=ids, labels=ids).loss.backward()
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
         opt.step()
+        losses.append(loss.detach().float())
 
     def sync():
         if device.type == "cuda":
@@ -113,12 +122,14 @@ def measure(provider, rank, adapters, *, batch, seq, tiny, device, steps=10) -> 
     peak = (torch.cuda.max_memory_allocated() - before) / GIB if device.type == "cuda" else 0.0
     stats = torch.tensor([statistics.median(times), peak], dtype=torch.float64, device=device)
     dist.all_reduce(stats, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
-    world = dist.get_world_size()
+    ends = torch.stack([losses[0], losses[-1]]).double() / world
+    dist.all_reduce(ends)  # equal local batches: the mean of the local means
     ms = float(stats[0])
     return {"world": world, "provider": provider, "adapters": adapters, "rank": rank,
             "batch_per_gpu": batch, "seq": seq, "step_ms": round(ms, 2),
             "tokens_per_s": round(world * batch * seq / (ms / 1e3)),
-            "peak_gib_per_gpu": round(float(stats[1]), 3), "error": ""}  # fmt: skip
+            "peak_gib_per_gpu": round(float(stats[1]), 3), "loss_first": round(float(ends[0]), 5),
+            "loss_last": round(float(ends[1]), 5), "error": ""}  # fmt: skip
 
 
 def main(argv=None) -> int:
