@@ -9,16 +9,22 @@ as a Python int so that non-merge steps return on the host), a jitted ``optimize
 (optax AdamW). Variants and statistics as in ``bench_scalora_torch``: the mean step time over
 max(20, I) steps after 3 warm-up steps (ScaLoRA-I's cost is amortised), and the device's
 peak memory (``memory_stats``; not reported on CPU). Ratios against ``lora`` of the same rank.
+JAX's GPU client cannot reset its peak, so a process's peak covers every variant it ran:
+``--isolate`` runs each variant in a process of its own, which makes the peaks comparable
+(run 15's in-process peaks were not).
 
-    python3 -m benchmarks.bench_scalora_jax --ranks 8 64 --layers 8
+    python3 -m benchmarks.bench_scalora_jax --ranks 8 64 --layers 8 --isolate
     python3 -m benchmarks.bench_scalora_jax --tiny      # a CPU smoke run of the same code
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import pathlib
+import subprocess
+import sys
 import time
 
 from benchmarks import bench_model_jax as bm
@@ -110,15 +116,28 @@ def measure(rank: int, interval: int, *, layers: int = 8, tiny: bool = False) ->
             "peak_gib": None if peak is None else round(peak / GIB, 3)}  # fmt: skip
 
 
-def _bench(out_dir, ranks, *, layers: int = 8, tiny: bool = False) -> list[dict]:
+def _isolated(rank: int, interval: int, *, layers: int, tiny: bool) -> dict:
+    """``measure`` in a fresh Python process (its own device peak)."""
+    args = [sys.executable, "-m", "benchmarks.bench_scalora_jax", "--one", str(rank),
+            str(interval), "--layers", str(layers)] + (["--tiny"] if tiny else [])  # fmt: skip
+    done = subprocess.run(args, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"variant r={rank} I={interval} failed:\n{done.stderr[-4000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _bench(out_dir, ranks, *, layers: int = 8, tiny: bool = False, isolate: bool = False):
     import jax
 
     rows, summary = [], []
     for rank in ranks:
         got = {}
         for name, interval in VARIANTS.items():
-            got[name] = measure(rank, interval, layers=layers, tiny=tiny)
-            jax.clear_caches()
+            if isolate:
+                got[name] = _isolated(rank, interval, layers=layers, tiny=tiny)
+            else:
+                got[name] = measure(rank, interval, layers=layers, tiny=tiny)
+                jax.clear_caches()
         for name, row in got.items():
             row["variant"] = name
             row["time_ratio"] = round(row["step_mean_ms"] / got["lora"]["step_mean_ms"], 3)
@@ -142,8 +161,17 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--tiny", action="store_true", help="a small model (CPU smoke run)")
     ap.add_argument("--out", default=os.environ.get("OUT", "out") + "/bench")
+    ap.add_argument("--isolate", action="store_true", help="one process per variant")
+    ap.add_argument(
+        "--one", type=int, nargs=2, metavar=("RANK", "INTERVAL"), help=argparse.SUPPRESS
+    )  # a child of --isolate: print one JSON row
     args = ap.parse_args(argv)
-    for row in _bench(args.out, args.ranks, layers=args.layers, tiny=args.tiny):
+    if args.one:
+        print(json.dumps(measure(*args.one, layers=args.layers, tiny=args.tiny)))
+        return 0
+    summary = _bench(args.out, args.ranks, layers=args.layers, tiny=args.tiny,
+                     isolate=args.isolate)  # fmt: skip
+    for row in summary:
         print(f"{row['metric']}: {row['value']:.3f}")
     return 0
 

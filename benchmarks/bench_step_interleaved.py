@@ -13,7 +13,9 @@ Variants (each on a fresh copy of the 8-layer base, ``lora_alpha = 2r``, AdamW f
   - ``ours_layer_norms``: the norms recomputed layer by layer (``NORM_GROUP_GRAPHS`` off);
   - ``ours_triton_launch``: also Triton's own launcher (``FAST_TRITON_LAUNCH`` off). The
     one-GEMM adapter gradients and the norm's row blocks of session 5 have no switch and
-    stay on, so this is not session 4's code.
+    stay on, so this is not session 4's code;
+  - ``ours_kernel_assembly``: the norm always assembled by the fused kernel
+    (``NORM_ASSEMBLY = "kernel"``, the default before session 6).
 
     python3 -m benchmarks.bench_step_interleaved --ranks 16 384 --adapters bf16 fp32
 """
@@ -29,14 +31,16 @@ import time
 from benchmarks import bench_model_torch as bm
 from benchmarks.measure import write_csv
 
-# name → (bench_model_torch provider prefix, FAST_TRITON_LAUNCH, NORM_GROUP_GRAPHS)
+# name → (bench_model_torch provider prefix, dora_torch.config values set for its steps)
 VARIANTS = {
-    "peft_lora": ("peft_lora", True, True),
-    "ours": ("ours", True, True),
-    "ours_layer_norms": ("ours", True, False),
-    "ours_triton_launch": ("ours", False, False),
-    "peft_dora": ("peft_dora", True, True),
+    "peft_lora": ("peft_lora", {}),
+    "ours": ("ours", {}),
+    "ours_layer_norms": ("ours", {"NORM_GROUP_GRAPHS": False}),
+    "ours_triton_launch": ("ours", {"NORM_GROUP_GRAPHS": False, "FAST_TRITON_LAUNCH": False}),
+    "ours_kernel_assembly": ("ours", {"NORM_ASSEMBLY": "kernel"}),
+    "peft_dora": ("peft_dora", {}),
 }
+SWITCHES = sorted({key for _, overrides in VARIANTS.values() for key in overrides})
 FIELDS = [
     "date", "commit", "gpu", "variant", "adapters", "rank", "batch", "rounds", "step_min_ms",
     "step_median_ms", "fwd_host_min_ms", "fwd_host_median_ms", "bwd_host_min_ms",
@@ -44,7 +48,7 @@ FIELDS = [
 ]  # fmt: skip
 
 
-def _stepper(model, ids, fast: bool, graphs: bool):
+def _stepper(model, ids, settings: dict):
     import torch
 
     from dora_torch import config
@@ -54,7 +58,8 @@ def _stepper(model, ids, fast: bool, graphs: bool):
     model.train()
 
     def step():
-        config.FAST_TRITON_LAUNCH, config.NORM_GROUP_GRAPHS = fast, graphs
+        for key, value in settings.items():
+            setattr(config, key, value)
         opt.zero_grad(set_to_none=True)
         t0 = time.perf_counter()
         loss = model(input_ids=ids, labels=ids).loss
@@ -74,14 +79,14 @@ def measure(rank: int, adapters: str, *, batch: int = 1, rounds: int = 15, layer
 
     from dora_torch import config
 
-    saved = config.FAST_TRITON_LAUNCH, config.NORM_GROUP_GRAPHS
+    defaults = {key: getattr(config, key) for key in SWITCHES}
     ids = torch.randint(0, bm.VOCAB, (batch, bm.SEQ), device="cuda")
     steps = {}
     try:
-        for name, (prefix, fast, graphs) in VARIANTS.items():
+        for name, (prefix, overrides) in VARIANTS.items():
             torch.manual_seed(0)
             model = bm._wrap(bm.build_base(layers), f"{prefix}_{adapters}", rank)
-            steps[name] = _stepper(model, ids, fast, graphs)
+            steps[name] = _stepper(model, ids, {**defaults, **overrides})
         for step in steps.values():
             for _ in range(3):
                 step()
@@ -90,7 +95,8 @@ def measure(rank: int, adapters: str, *, batch: int = 1, rounds: int = 15, layer
             for name, step in steps.items():
                 times[name].append(step())
     finally:
-        config.FAST_TRITON_LAUNCH, config.NORM_GROUP_GRAPHS = saved
+        for key, value in defaults.items():
+            setattr(config, key, value)
         steps.clear()
         bm.free_cuda()
     rows = []
@@ -121,7 +127,7 @@ def _bench(out_dir, ranks, adapters, *, rounds) -> list[dict]:
             by = {r["variant"]: r for r in got}
             for r in got:
                 print(
-                    f"[step_interleaved] r={rank} {setting}: {r['variant']:<17} step min "
+                    f"[step_interleaved] r={rank} {setting}: {r['variant']:<20} step min "
                     f"{r['step_min_ms']:7.2f} med {r['step_median_ms']:7.2f} | fwd host "
                     f"{r['fwd_host_min_ms']:6.2f} | bwd host {r['bwd_host_min_ms']:6.2f} ms",
                     flush=True,

@@ -282,7 +282,6 @@ def _reduce_configs(T=4096, N=8192) -> list[dict]:
 
     from dora_torch import config, factored_norm
     from dora_torch.kernels.backward import scale_reduce
-    from dora_torch.kernels.norm import assemble_norm
 
     torch.manual_seed(0)
     dy = torch.randn(T, N, device="cuda", dtype=DT)
@@ -310,18 +309,53 @@ def _reduce_configs(T=4096, N=8192) -> list[dict]:
     A = torch.randn(384, N, device="cuda") / N**0.5
     B = torch.randn(N, 384, device="cuda") * 0.01
     base_sq = torch.rand(N, device="cuda")
-    U = torch.randn(N, 384, device="cuda")
-    G = torch.randn(384, 384, device="cuda")
     with torch.no_grad():
         rows.append(
             {"what": "factored_norm 8192x8192 r384 (base_sq cached)",
              "ms": bench(lambda: factored_norm(W, A, B, 2.0, base_sq=base_sq))}
         )  # fmt: skip
-        for method in ("kernel", "gemm"):  # config.NORM_ASSEMBLY picks one
-            ms = bench(lambda method=method: assemble_norm(base_sq, U, B, G, 2.0, method=method))
-            rows.append({"what": f"assemble_norm {method} 8192 r384", "ms": ms})
     for row in rows:
         print(f"[{BENCH}] {row}", flush=True)
+    return rows
+
+
+#: (BLOCK_M, BLOCK_R, warps) of the fused assembly kernel tried by ``_assembly_configs``.
+ASSEMBLY_KERNEL_CONFIGS = [(32, 32, 4), (64, 32, 4), (64, 64, 4), (64, 64, 8), (128, 64, 8)]
+
+
+def _assembly_configs(ranks=(16, 64, 128, 256, 384), rows_n=8192) -> list[dict]:
+    """Norm assembly (kernels/norm.py) per rank: the fused kernel under each block config of
+    ``ASSEMBLY_KERNEL_CONFIGS`` and the cuBLAS "gemm" method; the evidence for
+    ``config.NORM_ASSEMBLY = "auto"``'s rank threshold and the kernel's blocks."""
+    import triton
+
+    from dora_torch import config
+    from dora_torch.kernels.norm import assemble_norm
+
+    def bench(f):
+        return triton.testing.do_bench(f, warmup=WARMUP_MS, rep=REP_MS, return_mode="median")
+
+    rows = []
+    saved = (config.NORM_BLOCK_M, config.NORM_BLOCK_R, config.NORM_WARPS)
+    try:
+        for r in ranks:
+            U = torch.randn(rows_n, r, device="cuda")
+            B = torch.randn(rows_n, r, device="cuda", dtype=DT) * 0.01
+            A = torch.randn(r, 4096, device="cuda") / 64
+            G = A @ A.t()
+            args = (torch.rand(rows_n, device="cuda") + 1.0, U, B, G, 2.0)
+            with torch.no_grad():
+                ms = bench(lambda args=args: assemble_norm(*args, method="gemm"))
+                rows.append({"r": r, "rows": rows_n, "method": "gemm", "ms": ms})
+                for bm, br, warps in ASSEMBLY_KERNEL_CONFIGS:
+                    config.NORM_BLOCK_M, config.NORM_BLOCK_R, config.NORM_WARPS = bm, br, warps
+                    ms = bench(lambda args=args: assemble_norm(*args, method="kernel"))
+                    rows.append({"r": r, "rows": rows_n, "method": "kernel", "block_m": bm,
+                                 "block_r": br, "warps": warps, "ms": ms})  # fmt: skip
+    finally:
+        config.NORM_BLOCK_M, config.NORM_BLOCK_R, config.NORM_WARPS = saved
+    for row in rows:
+        print(f"[{BENCH}] assembly {row}", flush=True)
     return rows
 
 
@@ -407,7 +441,11 @@ def run(out_dir: pathlib.Path) -> list[dict]:
                 gc.collect()
                 torch.cuda.empty_cache()
     write_csv(out_dir / "torch_layer.csv", rows)
-    for name, fn in (("gemm_configs", _gemm_configs), ("reduce_configs", _reduce_configs)):
+    for name, fn in (
+        ("gemm_configs", _gemm_configs),
+        ("reduce_configs", _reduce_configs),
+        ("assembly_configs", _assembly_configs),
+    ):
         try:
             write_csv(out_dir / f"torch_layer_{name}.csv", fn())
         except Exception:

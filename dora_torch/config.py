@@ -145,10 +145,12 @@ NORM_WARPS = 4
 #: TF32 parts (three tensor-core products), ~fp32 accuracy; "ieee" is exact fp32 FMA (slow).
 NORM_DOT_PRECISION = "tf32x3"
 #: How the fused tier assembles the norm (kernels/norm.py): "kernel" (B·G in registers, the
-#: fused kernel above; run 8: 0.132 ms per 8192 rows at r = 384) or "gemm" (cuBLAS fp32 B·G,
-#: then a row-reduction kernel). "gemm" is not yet measured on the GPU; prediction in
-#: benchmarks/NOTES.md (~0.06 ms per 8192 rows). Switch the default only after measuring.
-NORM_ASSEMBLY = "kernel"
+#: fused kernel above), "gemm" (cuBLAS fp32 B·G, then a row-reduction kernel) or "auto":
+#: "gemm" from ``NORM_GEMM_MIN_RANK`` up while fp32 matmuls are IEEE (its accuracy follows
+#: ``torch.backends.cuda.matmul.allow_tf32``), "kernel" otherwise. Run 15 at r = 384,
+#: 8192 rows: kernel 0.132 ms, gemm 0.078 ms (benchmarks/NOTES.md, session 6).
+NORM_ASSEMBLY = "auto"
+NORM_GEMM_MIN_RANK = 256
 NORM_ROWS_BLOCK_M = 16
 NORM_ROWS_BLOCK_R = 128
 NORM_ROWS_WARPS = 4

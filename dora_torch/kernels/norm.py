@@ -12,6 +12,8 @@ with U = W Aᵀ [d_out, r] and G = A Aᵀ [r, r] (fp32, from GEMMs). Two ways
 - ``"gemm"``: B G by a cuBLAS fp32 GEMM (an fp32 [rows, r] transient, like U), then
   ``_norm_rows_kernel`` reduces each row in one pass. Its accuracy follows
   ``torch.backends.cuda.matmul.allow_tf32`` (off by default: IEEE fp32).
+- ``"auto"`` (``assembly_method``): "gemm" for large r while fp32 matmuls are IEEE, else
+  "kernel": the fp32-level accuracy of either never depends on a global flag.
 """
 
 from __future__ import annotations
@@ -84,6 +86,12 @@ def _norm_assemble_kernel(
 _launch_norm_assemble = Launcher(_norm_assemble_kernel)
 
 
+def assembly_method(r: int) -> str:
+    """The method ``"auto"`` picks for rank r (module docstring)."""
+    ieee = not torch.backends.cuda.matmul.allow_tf32
+    return "gemm" if ieee and r >= config.NORM_GEMM_MIN_RANK else "kernel"
+
+
 def assemble_norm(
     base_sq: torch.Tensor,
     U: torch.Tensor,
@@ -94,14 +102,16 @@ def assemble_norm(
     method: str | None = None,
 ) -> torch.Tensor:
     """n [d_out] fp32 from base_sq [d_out] fp32, U [d_out, r] fp32, lora_B [d_out, r] (any
-    float dtype), G [r, r] fp32. ``method``: "kernel" or "gemm" (default
+    float dtype), G [r, r] fp32. ``method``: "kernel", "gemm" or "auto" (default
     ``config.NORM_ASSEMBLY``; see the module docstring)."""
     method = config.NORM_ASSEMBLY if method is None else method
-    if method not in ("kernel", "gemm"):
-        raise ValueError(f"method must be 'kernel' or 'gemm'; got {method!r}")
+    if method not in ("kernel", "gemm", "auto"):
+        raise ValueError(f"method must be 'kernel', 'gemm' or 'auto'; got {method!r}")
     check_launchable(U)
     (base_sq,) = unit_stride(base_sq)
     N, R = lora_B.shape
+    if method == "auto":
+        method = assembly_method(R)
     out = torch.empty(N, dtype=torch.float32, device=U.device)
     if N == 0:
         return out

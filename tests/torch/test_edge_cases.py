@@ -34,7 +34,7 @@ def test_factored_norm_matches_dense(impl, chunk):
     torch.testing.assert_close(n2, n)
 
 
-@pytest.mark.parametrize("method", ["kernel", "gemm"])
+@pytest.mark.parametrize("method", ["kernel", "gemm", "auto"])
 @pytest.mark.parametrize("r", [1, 6, 40])  # 40 > the interpreter's block: several r-steps
 def test_norm_assembly_methods_match_eager(method, r):
     from dora_torch.kernels.norm import assemble_norm
@@ -50,6 +50,22 @@ def test_norm_assembly_methods_match_eager(method, r):
     np.testing.assert_allclose(got.numpy(), ref, rtol=2e-6)
     with pytest.raises(ValueError, match="method"):
         assemble_norm(base_sq, U, B, G, s, method="dense")
+
+
+def test_auto_assembly_uses_the_gemm_only_with_ieee_fp32_matmuls(monkeypatch):
+    from dora_torch import config
+    from dora_torch.kernels.norm import assembly_method
+
+    monkeypatch.setattr(config, "NORM_GEMM_MIN_RANK", 32)
+    matmul = torch.backends.cuda.matmul  # a flag object: monkeypatch cannot set it
+    before = matmul.allow_tf32
+    try:
+        matmul.allow_tf32 = False
+        assert (assembly_method(31), assembly_method(32)) == ("kernel", "gemm")
+        matmul.allow_tf32 = True
+        assert assembly_method(384) == "kernel"  # a TF32 cuBLAS GEMM would lose fp32 accuracy
+    finally:
+        matmul.allow_tf32 = before
 
 
 def test_factored_norm_bf16_accumulates_in_fp32():

@@ -121,7 +121,7 @@ def test_cuda_compile_fullgraph_fused():
 
 
 @pytest.mark.parametrize("s", [0.5, 1.7, 3.0])  # not 2: there 2s = s² hides swapped terms
-@pytest.mark.parametrize("method", ["kernel", "gemm"])
+@pytest.mark.parametrize("method", ["kernel", "gemm", "auto"])
 @pytest.mark.parametrize(("d_out", "r"), [(8193, 384), (1000, 7), (4096, 16)])
 def test_cuda_norm_assembly_methods_match_fp64(method, d_out, r, s):
     """Both fused norm assemblies (config.NORM_ASSEMBLY) on odd shapes vs float64 torch."""
