@@ -25,6 +25,9 @@ Metrics, medians of CUDA-event-timed calls after warm-up:
   - ``train_peak_gib``: peak allocated during one step over what was allocated before it
     (weights, adapters, optimizer state).
 
+``--grad-ckpt`` turns on transformers' activation checkpointing of every decoder layer
+(non-reentrant), the usual setting when memory is short (column ``grad_ckpt``).
+
     python3 -m benchmarks.bench_model_torch --ranks 16 384 --batches 1 --modes eager compile
     python3 -m benchmarks.run --only model_torch --skip-tests      # the env defaults below
 
@@ -69,7 +72,7 @@ ITERS = 10
 GIB = 2.0**30
 FIELDS = [
     "provider", "mode", "optim", "rank", "batch", "layers", "train_ms", "infer_ms",
-    "infer_dora_cached_ms", "train_peak_gib", "error",
+    "infer_dora_cached_ms", "train_peak_gib", "grad_ckpt", "error",
 ]  # fmt: skip
 
 
@@ -287,6 +290,7 @@ def bench(
     optims: list[str],
     providers: list[str],
     profile: list[str] = (),
+    grad_ckpt: bool = False,
 ) -> list[dict]:
     import torch
 
@@ -307,6 +311,8 @@ def bench(
                 try:
                     torch.manual_seed(0)
                     model = _wrap(base, name, rank)
+                    if grad_ckpt:  # HF activation checkpointing of every decoder layer
+                        base.gradient_checkpointing_enable({"use_reentrant": False})
                     for mode in modes:
                         torch._dynamo.reset()
                         run = _runner(model, mode)
@@ -324,7 +330,7 @@ def bench(
                         for optim in optims:
                             row = dict(
                                 meta, provider=name, mode=mode, optim=optim, rank=rank,
-                                batch=batch, layers=layers, **infer,
+                                batch=batch, layers=layers, grad_ckpt=grad_ckpt, **infer,
                             )  # fmt: skip
                             try:
                                 row.update(measure_train(model, run, ids, mode, optim))
@@ -345,6 +351,8 @@ def bench(
                         dict(meta, provider=name, rank=rank, batch=batch, error=error_text(e))
                     )
                 finally:
+                    if grad_ckpt:
+                        base.gradient_checkpointing_disable()
                     if model is not None:
                         _unwrap(model, base, originals)
                     del model
@@ -448,6 +456,7 @@ def main(argv=None) -> int:
     ap.add_argument("--optims", nargs="+", default=list(OPTIMS), choices=OPTIMS)
     ap.add_argument("--providers", nargs="+", default=list(PROVIDERS), choices=list(PROVIDERS))
     ap.add_argument("--profile", nargs="*", default=[], help="providers to profile (eager)")
+    ap.add_argument("--grad-ckpt", action="store_true", help="activation checkpointing on")
     ap.add_argument("--out", default=os.environ.get("OUT", "out") + "/bench")
     args = ap.parse_args(argv)
     summary = bench(
@@ -459,6 +468,7 @@ def main(argv=None) -> int:
         optims=args.optims,
         providers=args.providers,
         profile=args.profile,
+        grad_ckpt=args.grad_ckpt,
     )
     for row in summary:
         print(f"{row['metric']}: {row['value']:.3f}")

@@ -14,7 +14,7 @@ from dora_torch.interop.adapter_io import load_adapter, save_adapter
 from dora_torch.interop.inject import dora_layers, inject
 from dora_torch.interop.peft_accel import accelerate_peft, restore_peft
 from shared_spec import peft_format as pf
-from tests.parity.models import ALL_PROJ, peft_dora, tiny_llama, token_ids
+from tests.parity.models import ALL_PROJ, peft_dora, randomize_dora, tiny_llama, token_ids
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
 
@@ -74,6 +74,32 @@ def test_accelerate_peft_matches_peft_outputs_and_grads(impl):
     restore_peft(pm)
     assert "forward" not in vars(layer) and not hasattr(pm, "dora_acceleration_report")
     assert torch.equal(_loss_and_grads(pm, ids)[0], want_y)
+
+
+def test_accelerated_model_under_activation_checkpointing_matches_peft():
+    """transformers' activation checkpointing (non-reentrant) re-runs each decoder layer in
+    backward: the recomputed forward must read the same cached norm, so loss and adapter
+    gradients equal PEFT's, over two AdamW steps (the second after a cache-invalidating
+    update)."""
+    models = []
+    for accelerate in (False, True):
+        pm = peft_dora(tiny_llama(), target_modules=ALL_PROJ)
+        randomize_dora(pm)
+        if accelerate:
+            accelerate_peft(pm)
+        pm.base_model.model.gradient_checkpointing_enable({"use_reentrant": False})
+        pm.train()
+        models.append(pm)
+    ids = token_ids(models[0].base_model.model.config)
+    opts = [torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2)
+            for m in models]  # fmt: skip
+    for _ in range(2):
+        (want_y, want_g), (got_y, got_g) = (_loss_and_grads(m, ids) for m in models)
+        torch.testing.assert_close(got_y, want_y, rtol=1e-5, atol=1e-6)
+        _assert_grads_close(got_g, want_g, rtol=1e-5)
+        for opt in opts:
+            opt.step()
+    _assert_ours_ran(models[1], ("eager",))
 
 
 def test_training_steps_and_save_pretrained_after_acceleration(tmp_path):
