@@ -1,4 +1,4 @@
-"""JAX DoRA layer on the GPU: ours (Pallas and XLA) vs naive jnp DoRA vs jnp LoRA.
+"""JAX DoRA layer on the GPU: ours (XLA, Pallas, Mosaic GPU) vs naive jnp DoRA vs jnp LoRA.
 
 Same shapes as the torch layer benchmark. bf16 activations and kernel; our adapters are f32
 parameters (the library default, cast per call); the baselines run entirely in bf16, as
@@ -19,6 +19,8 @@ rewritten after every shape, so a run cut short still leaves results. Per-shape 
 per-program compile/timing seconds are printed (and kept in the CSV).
 
     python3 -m benchmarks.run --only jax_layer --skip-tests
+    JAX_LAYER_SHAPES=4096x4096_r384_t512_infer JAX_LAYER_PROVIDERS=lora,ours_mosaic \
+        python3 -m benchmarks.run --only jax_layer --skip-tests      # a subset
 """
 
 from __future__ import annotations
@@ -62,6 +64,9 @@ SCALING = 2.0
 # Soft guard against the device's per-command limit: a shape is not started once this many
 # seconds have passed (its rows say so); the expected total is ~4 minutes.
 BUDGET_S = float(os.environ.get("JAX_LAYER_BUDGET_S", "480"))
+# Comma-separated subsets for short runs (empty: all): shape names of SHAPES, provider names.
+ONLY_SHAPES = [v for v in os.environ.get("JAX_LAYER_SHAPES", "").split(",") if v]
+PROVIDERS = [v for v in os.environ.get("JAX_LAYER_PROVIDERS", "").split(",") if v]
 FIELDS = [
     "shape",
     "d_in",
@@ -132,9 +137,12 @@ def _providers(kernel, a, b, m, bias, norm, with_auto):
         ),
         "ours_xla": ours("xla"),
         "ours_pallas": ours("pallas"),
+        "ours_mosaic": ours("mosaic"),  # the Mosaic GPU compose, XLA for the other ops
     }
     if with_auto:
         provs["ours_auto"] = ours("auto")
+    if PROVIDERS:
+        provs = {k: v for k, v in provs.items() if k in PROVIDERS}
     return provs
 
 
@@ -249,7 +257,7 @@ def _summary(rows):
 
     for kind in ("fwd", "grad"):
         lora = _get(rows, HEADLINE, "lora", kind)
-        for prov in ("ours_auto", "ours_xla", "ours_pallas"):
+        for prov in ("ours_auto", "ours_xla", "ours_pallas", "ours_mosaic"):
             v = _ratio(_get(rows, HEADLINE, prov, kind), lora)
             add(f"{HEADLINE} {kind} {prov}/lora", v, "<= 1.10", None if v is None else v <= 1.10)
     for prov in ("ours_auto", "ours_xla", "ours_pallas"):
@@ -260,13 +268,14 @@ def _summary(rows):
             ">= 1.25",
             None if v is None else v >= 1.25,
         )
-    v = _ratio(_get(rows, INFER, "ours_auto", "fwd"), _get(rows, INFER, "lora", "fwd"))
-    add(
-        f"{INFER} fwd ours_auto/lora (norm precomputed)",
-        v,
-        "<= 1.10",
-        None if v is None else v <= 1.10,
-    )
+    for prov in ("ours_auto", "ours_mosaic"):
+        v = _ratio(_get(rows, INFER, prov, "fwd"), _get(rows, INFER, "lora", "fwd"))
+        add(
+            f"{INFER} fwd {prov}/lora (norm precomputed)",
+            v,
+            "<= 1.10",
+            None if v is None else v <= 1.10,
+        )
 
     # Memory: the norm may add O(d_out·r) f32 (U, G·b, P, db: budget 8 such matrices); the grad
     # also keeps one [T, d_out] activation for dm (trainable magnitude needs Σ_t dy ⊙ inner).
@@ -289,7 +298,10 @@ def _summary(rows):
 
 
 def _order(shapes):
-    """Headline and inference shapes first: the summary needs them if the run is cut."""
+    """Headline and inference shapes first: the summary needs them if the run is cut; only
+    those named in ``JAX_LAYER_SHAPES`` when it is set."""
+    if ONLY_SHAPES:
+        shapes = [s for s in shapes if s[0] in ONLY_SHAPES]
     first = [s for s in shapes if s[0] in (HEADLINE, INFER)]
     return first + [s for s in shapes if s not in first]
 

@@ -67,6 +67,34 @@ class BlockConfig:
 DEFAULT_BLOCKS = BlockConfig()
 
 
+@dataclass(frozen=True, kw_only=True)
+class MosaicConfig:
+    """Tiles of the Mosaic GPU kernels (``dora_jax.mosaic``).
+
+    compose: grid over (tokens / compose_tile_m, d_out / compose_tile_n), one warpgroup per
+             program; the rank is walked by ``emit_pipeline`` with up to
+             ``compose_max_concurrent_steps`` TMA copies in flight. A wgmma accumulator has
+             64-row granules and TMA's swizzled tiles 64 columns of 16-bit values, hence the
+             multiples of 64.
+    """
+
+    compose_tile_m: int = 64
+    compose_tile_n: int = 128
+    compose_max_concurrent_steps: int = 2
+
+    def __post_init__(self):
+        for name in ("compose_tile_m", "compose_tile_n"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 64 or v % 64 or not _is_pow2(v):
+                raise ValueError(f"{name} must be a power of two and a multiple of 64; got {v!r}")
+        v = self.compose_max_concurrent_steps
+        if not isinstance(v, int) or v < 1:
+            raise ValueError(f"compose_max_concurrent_steps must be a positive int; got {v!r}")
+
+
+DEFAULT_MOSAIC = MosaicConfig()
+
+
 def acc_dtype(*dtypes) -> jnp.dtype:
     """The accumulation / elementwise dtype for arrays of these dtypes: ``promote_types(f32, …)``.
 
@@ -118,7 +146,12 @@ AUTO_PALLAS: Mapping[str, ShapePredicate | None] = MappingProxyType(
     }
 )
 
-IMPLS = ("auto", "pallas", "xla")
+#: Ops with a Mosaic GPU kernel (``dora_jax.mosaic``), and where ``impl="auto"`` picks it on a
+#: Hopper GPU. No entry until the H200 measures it faster than the alternative
+#: (``benchmarks/bench_jax_layer``, provider ``ours_mosaic``): None = never chosen by "auto".
+AUTO_MOSAIC: Mapping[str, ShapePredicate | None] = MappingProxyType({"compose": None})
+
+IMPLS = ("auto", "pallas", "xla", "mosaic")
 OPS = tuple(AUTO_PALLAS)
 
 
@@ -131,15 +164,43 @@ def current_platform() -> str:
     return dev if isinstance(dev, str) else dev.platform
 
 
-def resolve_impl(impl: str, op: str, *, platform: str, shape: tuple[int, int, int, int]) -> str:
-    """ "pallas" or "xla" for one op; ``impl="auto"`` reads ``AUTO_PALLAS`` (GPU only)."""
+def _mosaic_takes(op: str, shape: tuple[int, int, int, int], dtype) -> bool:
+    """Whether ``dora_jax.mosaic`` has a kernel for this op, shape and activation dtype."""
+    if op != "compose" or dtype is None:
+        return False
+    from .mosaic import compose_supported
+
+    tokens, _, d_out, _ = shape
+    return compose_supported(tokens, d_out, dtype)
+
+
+def _is_hopper() -> bool:
+    caps = [getattr(d, "compute_capability", "") for d in jax.devices("gpu")]
+    return bool(caps) and all(str(c).startswith("9.") for c in caps)
+
+
+def resolve_impl(
+    impl: str, op: str, *, platform: str, shape: tuple[int, int, int, int], dtype=None
+) -> str:
+    """ "pallas", "mosaic" or "xla" for one op on a layer of ``shape`` = (tokens, d_in, d_out,
+    rank) with activations of ``dtype``.
+
+    "mosaic" runs the op's Mosaic GPU kernel where one exists for the shape and dtype
+    (``dora_jax.mosaic``) and XLA elsewhere; "auto" reads ``AUTO_MOSAIC`` (Hopper only), then
+    ``AUTO_PALLAS`` (GPU only), else XLA.
+    """
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}; got {impl!r}")
     if op not in AUTO_PALLAS:
         raise ValueError(f"op must be one of {OPS}; got {op!r}")
+    if impl == "mosaic":
+        return "mosaic" if _mosaic_takes(op, shape, dtype) else "xla"
     if impl != "auto":
         return impl
-    rule = AUTO_PALLAS[op]
-    if platform != "gpu" or rule is None:
+    if platform != "gpu":
         return "xla"
-    return "pallas" if rule(*shape) else "xla"
+    rule = AUTO_MOSAIC.get(op)
+    if rule is not None and _mosaic_takes(op, shape, dtype) and _is_hopper() and rule(*shape):
+        return "mosaic"
+    rule = AUTO_PALLAS[op]
+    return "pallas" if rule is not None and rule(*shape) else "xla"

@@ -50,7 +50,8 @@ def dora_dense(
         activation dtype for the products, which accumulate in acc = promote_types(f32, x's
         dtype); their gradients come back in their own dtypes.
       scaling: the adapter scale s (a Python number: alpha / r, or alpha / sqrt(r)).
-      impl: "pallas", "xla", or "auto" (the measured table in ``dora_jax.config``).
+      impl: "pallas", "xla", "mosaic" (Mosaic GPU kernels where one exists for the op, shape
+        and dtype, XLA elsewhere), or "auto" (the measured tables in ``dora_jax.config``).
       exact_norm_grad: differentiate through the norm too (default: norm detached, as in the
         DoRA paper and PEFT).
       norm: optional precomputed column norm [d_out] (e.g. cached for inference with frozen
@@ -70,10 +71,10 @@ def dora_dense(
 
             y = x·K + (g − 1) ⊙ (x_d·K) + g ⊙ s·(x_d·a)·b + bias,   g − 1 = (m − n)/n in f32
 
-        which costs a second base GEMM on x_d. That call always composes in XLA (the Pallas
-        compose has no dropout form: ``impl="pallas"`` or an "auto" choice of Pallas falls back
-        to XLA for the compose; the norm and the backward reduction keep their impl). The norm is
-        unaffected by dropout, so ``exact_norm_grad`` works as without it. Gradients reach x
+        which costs a second base GEMM on x_d. That call always composes in XLA (the Pallas and
+        Mosaic composes have no dropout form: such a choice falls back to XLA for the compose;
+        the norm and the backward reduction keep their impl). The norm is unaffected by
+        dropout, so ``exact_norm_grad`` works as without it. Gradients reach x
         through both x and x_d. ``dropout_rate=0`` runs exactly the no-dropout program.
 
     Returns [..., d_out] in x's dtype. The norm, g and the composition run in acc (f32 for
@@ -117,7 +118,7 @@ def dora_dense(
         scaling=s,
         exact_norm_grad=bool(exact_norm_grad),
         norm_impl=resolve_impl(impl, "norm", platform=platform, shape=shape),
-        compose_impl=resolve_impl(impl, "compose", platform=platform, shape=shape),
+        compose_impl=resolve_impl(impl, "compose", platform=platform, shape=shape, dtype=x.dtype),
         reduce_impl=resolve_impl(impl, "scale_reduce", platform=platform, shape=shape),
         interpret=(platform != "gpu") if interpret is None else bool(interpret),
         chunk_size=chunk_size,
@@ -135,12 +136,15 @@ def dropout_mask(rng, rate: float, shape):
     return jax.random.bernoulli(rng, 1.0 - rate, shape)
 
 
-def resolved_impls(x_shape, kernel_shape, rank: int, *, impl: str = "auto") -> dict[str, str]:
-    """What ``impl`` resolves to per op for these shapes on the current backend (for logs)."""
+def resolved_impls(
+    x_shape, kernel_shape, rank: int, *, impl: str = "auto", dtype=jnp.bfloat16
+) -> dict[str, str]:
+    """What ``impl`` resolves to per op for these shapes and activation dtype on the current
+    backend (for logs)."""
     d_in, d_out = kernel_shape
     tokens = 1
     for d in x_shape[:-1]:
         tokens *= int(d)
     shape = (tokens, d_in, d_out, int(rank))
     platform = current_platform()
-    return {op: resolve_impl(impl, op, platform=platform, shape=shape) for op in OPS}
+    return {op: resolve_impl(impl, op, platform=platform, shape=shape, dtype=dtype) for op in OPS}

@@ -6,12 +6,13 @@ for bf16/f16/f32 activations, f64 for f64 ones with ``jax_enable_x64``); "f32" b
     n = ||K + s·a·b||_col          factored (U = aᵀK, G = aᵀa), acc, or given precomputed
     g = m / max(n, eps)            acc
     h = x·a (cd),  base = x·K (cd)
-    y = g ⊙ (base + s·h·b) + bias  (g applied in acc; Pallas rounds once, XLA rounds inner first)
+    y = g ⊙ (base + s·h·b) + bias  (g applied in acc; Pallas and Mosaic round once, XLA rounds
+                                    inner first)
 
 Backward (docs/design.md §4) with dy_g = g ⊙ dy, P = hᵀ·dy [r, N] and ``saved`` the [T, N]
 activation
 the forward kept (``inner`` = base + s·h·b from the XLA compose, or ``base`` from the Pallas
-one, whose fused epilogue never materialises inner):
+and Mosaic ones, whose fused epilogues never materialise inner):
 
     dm = (Σ_t dy ⊙ inner) / n,  Σ_t dy ⊙ inner = Σ_t dy ⊙ base + s·Σ_k b ⊙ P
     db = s·P ⊙ g,   q = s·dy_g·bᵀ [T, r],   da = xᵀ·q,   dx = dy_g·Kᵀ + q·aᵀ,   dK = xᵀ·dy_g
@@ -55,7 +56,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.custom_derivatives import SymbolicZero
 
-from . import kernels, xla_ops
+from . import kernels, mosaic, xla_ops
 from .config import BlockConfig, acc_dtype, dot_precision
 from .norm import norm_parts
 from .sharding import NormSharding, sharded_norm_parts
@@ -115,7 +116,10 @@ def _forward(opts: Options, x, x_d, kernel, lora_a, lora_b, magnitude, bias, bas
     a_c, b_c = lora_a.astype(cd), lora_b.astype(cd)
     h = jnp.dot(x if x_d is None else x_d, a_c, preferred_element_type=cd)  # f32 acc, one round
     base = jnp.dot(x, kernel)
-    if opts.compose_impl == "pallas" and x_d is None:
+    if opts.compose_impl == "mosaic" and x_d is None:
+        y = mosaic.compose(base, h, b_c, g, bias, scaling=s, interpret=opts.interpret)
+        saved, saved_is_inner = base, False
+    elif opts.compose_impl == "pallas" and x_d is None:
         y = kernels.compose(
             base,
             h,

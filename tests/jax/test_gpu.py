@@ -79,3 +79,49 @@ def test_kernels_match_xla_ops(tokens, d_out, rank, dtype):
         u, gram, b, base_sq, scaling=0.5, precision=jax.lax.Precision.HIGHEST
     )
     np.testing.assert_allclose(n, n_ref, rtol=1e-4 if dtype == jnp.float32 else 2e-3)
+
+
+# ---------------------------------------------------------------------- Mosaic GPU (Hopper)
+def _hopper() -> bool:
+    return all(str(getattr(d, "compute_capability", "")).startswith("9.") for d in jax.devices())
+
+
+MOSAIC_GPU_CASES = [
+    Case("gpu_mosaic_rank_16", d_in=512, d_out=1024, r=16, lead=(256,)),
+    Case("gpu_mosaic_rank_384", d_in=256, d_out=512, r=384, lead=(2, 128)),
+    Case("gpu_mosaic_rank_one", d_in=96, d_out=384, r=1, lead=(64,), bias=False),
+    Case("gpu_mosaic_zero_rows", d_in=64, d_out=256, r=8, lead=(128,), zero_rows=(0, 130)),
+]
+
+
+@pytest.mark.skipif(not _hopper(), reason="Mosaic GPU kernels need Hopper (sm90)")
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
+@pytest.mark.parametrize("case", MOSAIC_GPU_CASES, ids=[c.name for c in MOSAIC_GPU_CASES])
+def test_mosaic_against_spec(case, dtype):
+    """The compiled Mosaic compose inside dora_dense: forward and every gradient."""
+    if case.zero_rows and dtype == jnp.float16:
+        pytest.skip("the naive f16 baseline overflows on zero columns (test_mosaic.py checks it)")
+    check_case(case, dtype, impl="mosaic")
+
+
+@pytest.mark.skipif(not _hopper(), reason="Mosaic GPU kernels need Hopper (sm90)")
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
+@pytest.mark.parametrize(
+    ("tokens", "d_out", "rank"), [(64, 128, 1), (256, 512, 40), (4096, 4096, 384)]
+)
+def test_mosaic_compose_matches_float64(tokens, d_out, rank, dtype):
+    from dora_jax import mosaic
+    from shared_spec.tolerances import assert_close
+
+    keys = jax.random.split(jax.random.key(1), 5)
+    base = jax.random.normal(keys[0], (tokens, d_out), dtype)
+    h = jax.random.normal(keys[1], (tokens, rank), dtype)
+    b = (jax.random.normal(keys[2], (rank, d_out)) / rank**0.5).astype(dtype)
+    g = 0.5 + jax.random.uniform(keys[3], (d_out,))
+    bias = jax.random.normal(keys[4], (d_out,), dtype)
+    y = jax.jit(lambda *a: mosaic.compose(*a, scaling=1.7))(base, h, b, g, bias)
+    f64 = lambda v: np.asarray(jnp.asarray(v, jnp.float32), np.float64)  # noqa: E731
+    ref = f64(g) * (f64(base) + 1.7 * (f64(h) @ f64(b))) + f64(bias)
+    y0, _ = xla_ops.compose(base, h, b, g, bias, scaling=1.7, precision=None)
+    eps = float(jnp.finfo(dtype).eps)
+    assert_close(f64(y), ref, f64(y0), machine_eps=eps, name=f"mosaic compose {tokens}x{d_out}")

@@ -1,0 +1,169 @@
+"""Pallas Mosaic GPU kernels (Hopper: TMA copies, wgmma) for DoRA, and their launchers.
+
+Today one kernel: the compose fused into the LoRA product (docs/design.md §6.4),
+
+    y[t, j] = g[j] · (base[t, j] + s · Σ_k h[t, k] b[k, j]) + bias[j]
+
+with base = x·K and h = x·a from XLA GEMMs in the activation dtype (bf16 or f16). Each program
+owns one [tile_m, tile_n] tile of y:
+
+  1. it starts TMA copies of its base tile, and of g and bias over its columns, so they land
+     while the tensor cores work;
+  2. ``emit_pipeline`` walks the rank in steps of tile_k (TMA into swizzled SMEM, one wgmma
+     per step into an f32 accumulator in registers);
+  3. the epilogue forms g ⊙ (base + s·acc) + bias in f32, rounds once into the base tile's
+     SMEM and stores it with TMA. h·b never reaches HBM; base is read once and y written once.
+
+Shapes: the kernel tiles tokens and d_out exactly (``compose_supported``: tokens a multiple
+of tile_m, d_out of tile_n; every projection of an LLM at batch × sequence lengths that are
+multiples of 64). The rank is zero-padded to a multiple of tile_k (16, 32 or 64) here, at the
+cost of copying h and b, which are small. Other shapes, f32 and f64 take the XLA path
+(``config.resolve_impl``).
+
+Off the GPU the kernel runs under Pallas' GPU interpreter (``interpret=True``), which checks
+the same program on the CPU; it does not model layouts, so row vectors are loaded with an
+explicit wgmma-column layout only when compiled. ``tests/jax/test_mosaic.py`` also lowers
+every kernel for CUDA on the CPU, which catches layout and tiling errors without a GPU.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from .config import DEFAULT_MOSAIC, MosaicConfig
+
+#: Activation dtypes the wgmma kernels take (f32 keeps XLA's HIGHEST-precision dots).
+MOSAIC_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def compose_supported(tokens: int, d_out: int, dtype, config: MosaicConfig = DEFAULT_MOSAIC):
+    """Whether ``compose`` takes this shape and activation dtype (module docstring)."""
+    return (
+        jnp.dtype(dtype) in MOSAIC_DTYPES
+        and tokens > 0
+        and tokens % config.compose_tile_m == 0
+        and d_out % config.compose_tile_n == 0
+    )
+
+
+def _rank_tile(rank: int) -> int:
+    """The wgmma contraction step for rank r: 64 (a 128-byte swizzled row of 16-bit values),
+    or the smallest of 16 and 32 that holds a small rank."""
+    for tile in (16, 32):
+        if rank <= tile:
+            return tile
+    return 64
+
+
+def _swizzled(cols: int, itemsize: int) -> tuple:
+    """SMEM transforms wgmma and TMA want for a tile with ``cols`` 16-bit columns."""
+    swizzle = plgpu.find_swizzle(cols * itemsize * 8)
+    return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
+
+
+def compose(
+    base,
+    h,
+    lora_b,
+    g,
+    bias=None,
+    *,
+    scaling: float,
+    config: MosaicConfig = DEFAULT_MOSAIC,
+    interpret: bool = False,
+):
+    """``g ⊙ (base + s·h·lora_b) + bias`` in one pass (module docstring).
+
+    base [T, N], h [T, r] and lora_b [r, N] in one 16-bit activation dtype; g [N] (any float,
+    used in f32); bias [N] or None. Returns [T, N] in base's dtype. The shape must pass
+    ``compose_supported``.
+    """
+    tokens, d_out = base.shape
+    rank = h.shape[1]
+    dtype = base.dtype
+    if not (h.dtype == lora_b.dtype == dtype):
+        raise ValueError(f"base {base.dtype}, h {h.dtype} and lora_b {lora_b.dtype} must match")
+    if not compose_supported(tokens, d_out, dtype, config):
+        raise ValueError(
+            f"mosaic compose needs a bf16/f16 [T, N] with T % {config.compose_tile_m} == 0 and "
+            f"N % {config.compose_tile_n} == 0; got {dtype} {base.shape}"
+        )
+    tm, tn = config.compose_tile_m, config.compose_tile_n
+    tk = _rank_tile(rank)
+    padded = -(-rank // tk) * tk
+    if padded != rank:  # zero columns of h meet zero rows of b: the product is unchanged
+        h = jnp.pad(h, ((0, 0), (0, padded - rank)))
+        lora_b = jnp.pad(lora_b, ((0, padded - rank), (0, 0)))
+    item = jnp.dtype(dtype).itemsize
+    has_bias = bias is not None
+    s = float(scaling)
+
+    def row_vector(ref):
+        """A [tn] f32 vector laid out to broadcast over the rows of a wgmma accumulator."""
+        if interpret:
+            return ref[...].astype(jnp.float32)
+        return plgpu.load(ref, (), layout=plgpu.Layout.WGMMA.reduce(0)).astype(jnp.float32)
+
+    def kernel(base_gmem, h_gmem, b_gmem, g_gmem, *rest, tile, g_smem, bias_smem, barriers):
+        bias_gmem, y_gmem = rest if has_bias else (None, rest[0])
+        i, j = lax.axis_index("m"), lax.axis_index("n")
+        rows, cols = pl.ds(i * tm, tm), pl.ds(j * tn, tn)
+        plgpu.copy_gmem_to_smem(base_gmem.at[rows, cols], tile, barriers.at[0])
+        plgpu.copy_gmem_to_smem(g_gmem.at[cols], g_smem, barriers.at[1])
+        if has_bias:
+            plgpu.copy_gmem_to_smem(bias_gmem.at[cols], bias_smem, barriers.at[2])
+
+        def lora_product(acc):
+            def step(_, h_smem, b_smem):
+                plgpu.wgmma(acc, h_smem, b_smem)
+                plgpu.wgmma_wait(0)
+
+            plgpu.emit_pipeline(
+                step,
+                grid=(padded // tk,),
+                in_specs=[
+                    plgpu.BlockSpec((tm, tk), lambda k: (i, k), transforms=_swizzled(tk, item)),
+                    plgpu.BlockSpec((tk, tn), lambda k: (k, j), transforms=_swizzled(tk, item)),
+                ],
+                max_concurrent_steps=config.compose_max_concurrent_steps,
+            )(h_gmem, b_gmem)
+            return acc[...]
+
+        lora = pl.run_scoped(lora_product, plgpu.ACC((tm, tn), jnp.float32))
+        for k in range(3 if has_bias else 2):
+            plgpu.barrier_wait(barriers.at[k])
+        y = tile[...].astype(jnp.float32) + s * lora
+        y = lax.broadcast_in_dim(row_vector(g_smem), (tm, tn), [1]) * y
+        if has_bias:
+            y = y + lax.broadcast_in_dim(row_vector(bias_smem), (tm, tn), [1])
+        tile[...] = y.astype(dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(tile, y_gmem.at[rows, cols])
+        plgpu.wait_smem_to_gmem(0)
+
+    bias_dtype = bias.dtype if has_bias else jnp.float32
+    scratch = dict(
+        tile=plgpu.SMEM((tm, tn), dtype, transforms=_swizzled(tn, item)),
+        g_smem=plgpu.SMEM((tn,), jnp.float32),
+        bias_smem=plgpu.SMEM((tn,), bias_dtype),
+        barriers=plgpu.Barrier(num_barriers=3, num_arrivals=1),
+    )
+    interpret_params = None
+    if interpret:
+        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+
+        interpret_params = InterpretGPUParams()
+    call = plgpu.kernel(
+        kernel,
+        out_type=jax.ShapeDtypeStruct((tokens, d_out), dtype),
+        scratch_types=scratch,
+        grid=(tokens // tm, d_out // tn),
+        grid_names=("m", "n"),
+        interpret=interpret_params,
+    )
+    args = (base, h, lora_b, g.astype(jnp.float32)) + ((bias,) if has_bias else ())
+    return call(*args)
