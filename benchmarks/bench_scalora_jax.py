@@ -126,13 +126,16 @@ def _isolated(rank: int, interval: int, *, layers: int, tiny: bool) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def _bench(out_dir, ranks, *, layers: int = 8, tiny: bool = False, isolate: bool = False):
+def _bench(out_dir, ranks, *, layers: int = 8, tiny: bool = False, isolate: bool = False,
+           variants=tuple(VARIANTS)):  # fmt: skip
     import jax
 
     rows, summary = [], []
     for rank in ranks:
         got = {}
         for name, interval in VARIANTS.items():
+            if name not in variants and name != "lora":  # LoRA is every ratio's baseline
+                continue
             if isolate:
                 got[name] = _isolated(rank, interval, layers=layers, tiny=tiny)
             else:
@@ -162,6 +165,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tiny", action="store_true", help="a small model (CPU smoke run)")
     ap.add_argument("--out", default=os.environ.get("OUT", "out") + "/bench")
     ap.add_argument("--isolate", action="store_true", help="one process per variant")
+    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     ap.add_argument(
         "--one", type=int, nargs=2, metavar=("RANK", "INTERVAL"), help=argparse.SUPPRESS
     )  # a child of --isolate: print one JSON row
@@ -170,7 +174,7 @@ def main(argv=None) -> int:
         print(json.dumps(measure(*args.one, layers=args.layers, tiny=args.tiny)))
         return 0
     summary = _bench(args.out, args.ranks, layers=args.layers, tiny=args.tiny,
-                     isolate=args.isolate)  # fmt: skip
+                     isolate=args.isolate, variants=args.variants)  # fmt: skip
     for row in summary:
         print(f"{row['metric']}: {row['value']:.3f}")
     return 0
