@@ -336,7 +336,7 @@ def _assembly_configs(ranks=(16, 64, 128, 256, 384), rows_n=8192) -> list[dict]:
         return triton.testing.do_bench(f, warmup=WARMUP_MS, rep=REP_MS, return_mode="median")
 
     rows = []
-    saved = (config.NORM_BLOCK_M, config.NORM_BLOCK_R, config.NORM_WARPS)
+    saved = (config.NORM_KERNEL_BLOCKS, config.NORM_KERNEL_BLOCKS_WIDE)
     try:
         for r in ranks:
             U = torch.randn(rows_n, r, device="cuda")
@@ -348,12 +348,12 @@ def _assembly_configs(ranks=(16, 64, 128, 256, 384), rows_n=8192) -> list[dict]:
                 ms = bench(lambda args=args: assemble_norm(*args, method="gemm"))
                 rows.append({"r": r, "rows": rows_n, "method": "gemm", "ms": ms})
                 for bm, br, warps in ASSEMBLY_KERNEL_CONFIGS:
-                    config.NORM_BLOCK_M, config.NORM_BLOCK_R, config.NORM_WARPS = bm, br, warps
+                    config.NORM_KERNEL_BLOCKS = config.NORM_KERNEL_BLOCKS_WIDE = (bm, br, warps)
                     ms = bench(lambda args=args: assemble_norm(*args, method="kernel"))
                     rows.append({"r": r, "rows": rows_n, "method": "kernel", "block_m": bm,
                                  "block_r": br, "warps": warps, "ms": ms})  # fmt: skip
     finally:
-        config.NORM_BLOCK_M, config.NORM_BLOCK_R, config.NORM_WARPS = saved
+        config.NORM_KERNEL_BLOCKS, config.NORM_KERNEL_BLOCKS_WIDE = saved
     for row in rows:
         print(f"[{BENCH}] assembly {row}", flush=True)
     return rows

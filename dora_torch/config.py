@@ -138,17 +138,22 @@ BWD_BLOCK_D = 32
 BWD_BLOCK_R = 32
 
 # ---- norm assembly from U = W Aᵀ and G = A Aᵀ (kernels/norm.py) -------------------------------
-NORM_BLOCK_M = 32
-NORM_BLOCK_R = 32
-NORM_WARPS = 4
+#: (BLOCK_M, BLOCK_R, warps) of the fused assembly kernel for ranks below ``NORM_WIDE_RANK``,
+#: and from it up. Run 17, 8192 rows, µs for (32, 32, 4) / (64, 64, 4): r = 16: 6.5 / 21.9;
+#: r = 64: 53.5 / 9.7; r = 128: 29.2 / 19.0; r = 384: 175.0 / 103.0
+#: (``benchmarks/results/assembly_configs_run17.csv``).
+NORM_KERNEL_BLOCKS = (32, 32, 4)
+NORM_KERNEL_BLOCKS_WIDE = (64, 64, 4)
+NORM_WIDE_RANK = 64
 #: tl.dot precision for B·G in the norm assembly: "tf32x3" splits each fp32 operand into two
 #: TF32 parts (three tensor-core products), ~fp32 accuracy; "ieee" is exact fp32 FMA (slow).
 NORM_DOT_PRECISION = "tf32x3"
 #: How the fused tier assembles the norm (kernels/norm.py): "kernel" (B·G in registers, the
 #: fused kernel above), "gemm" (cuBLAS fp32 B·G, then a row-reduction kernel) or "auto":
 #: "gemm" from ``NORM_GEMM_MIN_RANK`` up while fp32 matmuls are IEEE (its accuracy follows
-#: ``torch.backends.cuda.matmul.allow_tf32``), "kernel" otherwise. Run 15 at r = 384,
-#: 8192 rows: kernel 0.132 ms, gemm 0.078 ms (benchmarks/NOTES.md, session 6).
+#: ``torch.backends.cuda.matmul.allow_tf32``), "kernel" otherwise. Run 17 (8192 rows, µs,
+#: gemm / best kernel blocks): r = 128: 24.4 / 19.0; r = 256: 47.7 / 52.1; r = 384: 88.6 /
+#: 103.0. At r = 384, batch 1, the step drops from 65.5 to 59.0 ms (benchmarks/NOTES.md).
 NORM_ASSEMBLY = "auto"
 NORM_GEMM_MIN_RANK = 256
 NORM_ROWS_BLOCK_M = 16

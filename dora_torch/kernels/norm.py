@@ -117,8 +117,10 @@ def assemble_norm(
         return out
     if method == "gemm":
         return _assemble_by_gemm(base_sq, U, lora_B, G, scaling, out)
-    bm = config.interp_small(config.NORM_BLOCK_M)
-    br = max(16, min(config.NORM_BLOCK_R, triton.next_power_of_2(R)))
+    wide = R >= config.NORM_WIDE_RANK
+    bm, br, warps = config.NORM_KERNEL_BLOCKS_WIDE if wide else config.NORM_KERNEL_BLOCKS
+    bm = config.interp_small(bm)
+    br = max(16, min(br, triton.next_power_of_2(R)))
     _launch_norm_assemble(
         (triton.cdiv(N, bm),),
         base_sq,
@@ -138,7 +140,7 @@ def assemble_norm(
         BLOCK_M=bm,
         BLOCK_R=br,
         DOT_PRECISION="ieee" if config.interpreting() else config.NORM_DOT_PRECISION,
-        num_warps=config.NORM_WARPS,
+        num_warps=warps,
     )
     return out
 

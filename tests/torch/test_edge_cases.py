@@ -35,7 +35,8 @@ def test_factored_norm_matches_dense(impl, chunk):
 
 
 @pytest.mark.parametrize("method", ["kernel", "gemm", "auto"])
-@pytest.mark.parametrize("r", [1, 6, 40])  # 40 > the interpreter's block: several r-steps
+# 40 > the interpreter's block: several r-steps; 72 takes the wide-rank blocks (config)
+@pytest.mark.parametrize("r", [1, 6, 40, 72])
 def test_norm_assembly_methods_match_eager(method, r):
     from dora_torch.kernels.norm import assemble_norm
     from dora_torch.norm import assemble, cross_terms, gram
