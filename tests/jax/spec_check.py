@@ -18,7 +18,8 @@ def _cast(v, dtype):
     return None if v is None else jnp.asarray(v, dtype)
 
 
-def _f64(v):
+def f64(v):
+    """float64 NumPy copy of an array (None stays None)."""
     return None if v is None else np.asarray(jnp.asarray(v, jnp.float32), np.float64)
 
 
@@ -58,10 +59,10 @@ def check_case(case: Case, dtype, *, impl: str, exact_norm_grad: bool = False, s
     dy = _cast(d.dy, dtype)
     s = d.scaling
 
-    W, A, B = S.from_flax_layout(_f64(k), _f64(a), _f64(b))
-    ref_y = S.dora_linear(_f64(x), W, A, B, _f64(m), s, _f64(bias))
+    W, A, B = S.from_flax_layout(f64(k), f64(a), f64(b))
+    ref_y = S.dora_linear(f64(x), W, A, B, f64(m), s, f64(bias))
     ref = S.dora_linear_vjp(
-        _f64(x), W, A, B, _f64(m), s, _f64(dy), _f64(bias), exact_norm_grad=exact_norm_grad
+        f64(x), W, A, B, f64(m), s, f64(dy), f64(bias), exact_norm_grad=exact_norm_grad
     )
 
     def ours(x, a, b, m, bias):
@@ -87,10 +88,10 @@ def check_case(case: Case, dtype, *, impl: str, exact_norm_grad: bool = False, s
     # bf16 keeps the shared default (a quarter ulp): its baseline error dominates anyway.
     floor = eps if jnp.dtype(dtype) == jnp.float32 else None
     tag = f"{case.name}/{jnp.dtype(dtype).name}/{impl}/exact={exact_norm_grad}"
-    assert_close(_f64(y), ref_y, _f64(y0), machine_eps=eps, floor=floor, name=f"{tag} y")
+    assert_close(f64(y), ref_y, f64(y0), machine_eps=eps, floor=floor, name=f"{tag} y")
     names = ("dx", "dA", "dB", "dm", "dbias")
     refs = (ref.dx, ref.dA.T, ref.dB.T, ref.dm, ref.dbias)  # dA, dB back to Flax layout
     for name, g, g0, r in zip(names, grads, grads0, refs):
         if r is None:
             continue
-        assert_close(_f64(g), r, _f64(g0), machine_eps=eps, floor=floor, name=f"{tag} {name}")
+        assert_close(f64(g), r, f64(g0), machine_eps=eps, floor=floor, name=f"{tag} {name}")

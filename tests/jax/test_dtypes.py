@@ -18,7 +18,8 @@ from dora_jax.functional import dora_dense
 from dora_jax.linen import DoraDense as LinenDoraDense
 from shared_spec.cases import CASES
 
-from .spec_check import check_case
+from .compose_check import MOSAIC_ZERO_ROWS
+from .spec_check import check_case, f64
 
 F16 = jnp.float16
 EPS16 = float(jnp.finfo(F16).eps)
@@ -50,14 +51,15 @@ def _rel(actual, ref) -> float:
     return float(np.linalg.norm(a - r) / (denom if denom > 0 else 1.0))
 
 
-def _f64(v):
-    return None if v is None else np.asarray(jnp.asarray(v, jnp.float32), np.float64)
+def _zero_case(impl):
+    return MOSAIC_ZERO_ROWS if impl == "mosaic" else CASES["zero_base_row"]
 
 
-def _zero_row_case(adapter_dtype):
-    """zero_base_row with f16 activations and kernel; adapters, magnitude and bias in
-    ``adapter_dtype``. Columns 0 and 5 of K and b are zero: n = 0, g = m/eps ≈ 5e11."""
-    d = CASES["zero_base_row"].make(0)
+def _zero_row_case(adapter_dtype, impl):
+    """zero_base_row (its Mosaic-tiled twin for impl "mosaic") with f16 activations and
+    kernel; adapters, magnitude and bias in ``adapter_dtype``. Columns 0 and 5 of K and b are
+    zero: n = 0, g = m/eps ≈ 5e11."""
+    d = _zero_case(impl).make(0)
     k, a, b = S.to_flax_layout(d.W, d.A, d.B)
     x, k = jnp.asarray(d.x, F16), jnp.asarray(k, F16)
     a, b, m, bias = (jnp.asarray(v, adapter_dtype) for v in (a, b, d.m, d.bias))
@@ -65,19 +67,19 @@ def _zero_row_case(adapter_dtype):
 
 
 def _spec(d, x, k, a, b, m, bias, dy, **kw):
-    W, A, B = S.from_flax_layout(_f64(k), _f64(a), _f64(b))
-    y = S.dora_linear(_f64(x), W, A, B, _f64(m), d.scaling, _f64(bias))
-    grads = S.dora_linear_vjp(_f64(x), W, A, B, _f64(m), d.scaling, _f64(dy), _f64(bias), **kw)
+    W, A, B = S.from_flax_layout(f64(k), f64(a), f64(b))
+    y = S.dora_linear(f64(x), W, A, B, f64(m), d.scaling, f64(bias))
+    grads = S.dora_linear_vjp(f64(x), W, A, B, f64(m), d.scaling, f64(dy), f64(bias), **kw)
     return y, grads
 
 
 @pytest.mark.parametrize("exact", [False, True], ids=["detached", "exact"])
-@pytest.mark.parametrize("impl", ["xla", "pallas"])
+@pytest.mark.parametrize("impl", ["xla", "pallas", "mosaic"])
 def test_float16_zero_norm_column_gives_finite_gradients(impl, exact):
     """f16 activations over f32 adapters (PEFT's default for an f16 base): g·dy overflows f16 in
     the zero columns; saturated, every gradient is finite and matches the spec to f16 rounding.
     """
-    d, x, k, a, b, m, bias, dy = _zero_row_case(jnp.float32)
+    d, x, k, a, b, m, bias, dy = _zero_row_case(jnp.float32, impl)
 
     def f(x, a, b, m, bias):
         return dora_dense(x, k, a, b, m, d.scaling, bias, impl=impl, exact_norm_grad=exact)
@@ -95,12 +97,12 @@ def test_float16_zero_norm_column_gives_finite_gradients(impl, exact):
         assert _rel(g, r) <= 2 * EPS16, f"{label}: {_rel(g, r):.3g}"
 
 
-@pytest.mark.parametrize("impl", ["xla", "pallas"])
+@pytest.mark.parametrize("impl", ["xla", "pallas", "mosaic"])
 def test_float16_zero_norm_column_all_f16_has_no_nan(impl):
     """Everything in f16: dx, da, dm and dbias stay finite and right; db of the zero columns
     (|db| ≈ 1e12 in exact arithmetic) cannot be represented and may round to ±inf, but is
     never NaN; every other column of db matches the spec."""
-    d, x, k, a, b, m, bias, dy = _zero_row_case(F16)
+    d, x, k, a, b, m, bias, dy = _zero_row_case(F16, impl)
     y, pull = jax.vjp(
         lambda *p: dora_dense(*p[:1], k, *p[1:4], d.scaling, p[4], impl=impl), x, a, b, m, bias
     )
@@ -116,14 +118,14 @@ def test_float16_zero_norm_column_all_f16_has_no_nan(impl):
         assert bool(jnp.all(jnp.isfinite(g))), f"{label} has NaN/inf"
         assert _rel(g, r) <= 2 * EPS16, f"{label}: {_rel(g, r):.3g}"
     assert not bool(jnp.any(jnp.isnan(db)))
-    live = np.setdiff1d(np.arange(k.shape[1]), CASES["zero_base_row"].zero_rows)
+    live = np.setdiff1d(np.arange(k.shape[1]), _zero_case(impl).zero_rows)
     assert _rel(db[:, live], ref.dB.T[:, live]) <= 2 * EPS16
 
 
 @pytest.mark.parametrize("impl", ["xla", "pallas"])
 def test_float16_zero_norm_column_with_dropout(impl):
     """The dropout form scales dy by g − 1 = (m − n)/n ≈ m/eps too: saturated as well."""
-    d, x, k, a, b, m, bias, dy = _zero_row_case(jnp.float32)
+    d, x, k, a, b, m, bias, dy = _zero_row_case(jnp.float32, impl)
     key = jax.random.key(0)
 
     def f(x, a, b, m, bias):

@@ -111,17 +111,8 @@ def test_mosaic_against_spec(case, dtype):
 )
 def test_mosaic_compose_matches_float64(tokens, d_out, rank, dtype):
     from dora_jax import mosaic
-    from shared_spec.tolerances import assert_close
 
-    keys = jax.random.split(jax.random.key(1), 5)
-    base = jax.random.normal(keys[0], (tokens, d_out), dtype)
-    h = jax.random.normal(keys[1], (tokens, rank), dtype)
-    b = (jax.random.normal(keys[2], (rank, d_out)) / rank**0.5).astype(dtype)
-    g = 0.5 + jax.random.uniform(keys[3], (d_out,))
-    bias = jax.random.normal(keys[4], (d_out,), dtype)
-    y = jax.jit(lambda *a: mosaic.compose(*a, scaling=1.7))(base, h, b, g, bias)
-    f64 = lambda v: np.asarray(jnp.asarray(v, jnp.float32), np.float64)  # noqa: E731
-    ref = f64(g) * (f64(base) + 1.7 * (f64(h) @ f64(b))) + f64(bias)
-    y0, _ = xla_ops.compose(base, h, b, g, bias, scaling=1.7, precision=None)
-    eps = float(jnp.finfo(dtype).eps)
-    assert_close(f64(y), ref, f64(y0), machine_eps=eps, name=f"mosaic compose {tokens}x{d_out}")
+    from .compose_check import check_compose
+
+    compose = jax.jit(mosaic.compose, static_argnames="scaling")
+    check_compose(compose, tokens, d_out, rank, dtype)

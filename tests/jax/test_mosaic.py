@@ -9,33 +9,16 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
-from dora_jax import mosaic, xla_ops
+from dora_jax import mosaic
 from dora_jax.config import AUTO_MOSAIC, MosaicConfig, resolve_impl
 from dora_jax.functional import dora_dense, resolved_impls
-from shared_spec.cases import Case
-from shared_spec.tolerances import assert_close
 
+from .compose_check import MOSAIC_CASES, check_compose, compose_operands
 from .spec_check import check_case
 
 DTYPES = [jnp.bfloat16, jnp.float16]
-
-
-def _operands(tokens, d_out, rank, dtype, *, bias=True, seed=0):
-    keys = jax.random.split(jax.random.key(seed), 5)
-    base = jax.random.normal(keys[0], (tokens, d_out), dtype)
-    h = jax.random.normal(keys[1], (tokens, rank), dtype)
-    b = (jax.random.normal(keys[2], (rank, d_out)) / max(rank, 1) ** 0.5).astype(dtype)
-    g = 0.5 + jax.random.uniform(keys[3], (d_out,))
-    g = g.at[3].set(0.0)  # a zero column (m = 0): y is the bias there
-    bias_v = jax.random.normal(keys[4], (d_out,), dtype) if bias else None
-    return base, h, b, g, bias_v
-
-
-def _f64(v):
-    return None if v is None else np.asarray(jnp.asarray(v, jnp.float32), np.float64)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "f16"])
@@ -44,17 +27,8 @@ def _f64(v):
     [(64, 128, 1, True), (64, 128, 16, False), (128, 256, 40, True), (64, 128, 96, True)],
 )
 def test_compose_matches_float64_within_the_xla_error(tokens, d_out, rank, bias, dtype):
-    base, h, b, g, bias_v = _operands(tokens, d_out, rank, dtype, bias=bias)
-    y = mosaic.compose(base, h, b, g, bias_v, scaling=1.7, interpret=True)
-    assert y.dtype == base.dtype and y.shape == base.shape
-    ref = _f64(g) * (_f64(base) + 1.7 * (_f64(h) @ _f64(b)))
-    if bias:
-        ref = ref + _f64(bias_v)
-    y0, _ = xla_ops.compose(base, h, b, g, bias_v, scaling=1.7, precision=None)
-    eps = float(jnp.finfo(dtype).eps)
-    assert_close(_f64(y), ref, _f64(y0), machine_eps=eps, name=f"mosaic compose r={rank}")
-    if bias:
-        np.testing.assert_array_equal(_f64(y)[:, 3], _f64(bias_v)[3])
+    compose = functools.partial(mosaic.compose, interpret=True)
+    check_compose(compose, tokens, d_out, rank, dtype, bias=bias)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "f16"])
@@ -64,14 +38,14 @@ def test_compose_matches_float64_within_the_xla_error(tokens, d_out, rank, bias,
     [(MosaicConfig(), 8), (MosaicConfig(), 384), (MosaicConfig(compose_tile_m=128), 32)],
 )
 def test_compose_lowers_for_cuda(config, rank, bias, dtype):
-    base, h, b, g, bias_v = _operands(256, 512, rank, dtype, bias=bias)
+    base, h, b, g, bias_v = compose_operands(256, 512, rank, dtype, bias=bias)
     fn = jax.jit(functools.partial(mosaic.compose, scaling=2.0, config=config))
     lowered = fn.trace(base, h, b, g, bias_v).lower(lowering_platforms=("cuda",))
     assert "mosaic_gpu" in lowered.as_text()
 
 
 def test_compose_refuses_what_it_cannot_tile():
-    base, h, b, g, _ = _operands(64, 128, 8, jnp.bfloat16)
+    base, h, b, g, _ = compose_operands(64, 128, 8, jnp.bfloat16)
     assert mosaic.compose_supported(64, 128, jnp.bfloat16)
     for tokens, d_out, dtype in [(63, 128, "bfloat16"), (64, 130, "float16"), (0, 128, "bfloat16"),
                                  (64, 128, "float32")]:  # fmt: skip
@@ -109,15 +83,8 @@ def test_impl_mosaic_resolves_per_op_and_falls_back_to_xla():
             "pallas", "xla")  # fmt: skip
 
 
-MOSAIC_CASES = [
-    Case("mosaic_aligned", d_in=48, d_out=128, r=8, lead=(64,)),
-    Case("mosaic_3d_no_bias", d_in=40, d_out=256, r=24, lead=(2, 64), bias=False),
-    Case("mosaic_zero_rows", d_in=32, d_out=128, r=4, lead=(64,), zero_rows=(0, 5)),
-]
-
-
 # f16 with a zero-norm column overflows the naive baseline (m/eps), which leaves the tolerance
-# rule without a bound: that pair is checked against the spec directly below.
+# rule without a bound: that pair is checked against the spec in test_dtypes.py.
 SPEC_PAIRS = [(c, dt) for c in MOSAIC_CASES for dt in DTYPES
               if not (c.zero_rows and dt == jnp.float16)]  # fmt: skip
 
@@ -129,35 +96,6 @@ def test_dora_dense_with_the_mosaic_compose_matches_the_spec(case, dtype):
     """Forward and every gradient (the backward of the fused compose: base is saved, inner
     never formed) under the shared tolerance rule, the kernel interpreted on the CPU."""
     check_case(case, dtype, impl="mosaic")
-
-
-def test_float16_zero_norm_column_through_the_mosaic_compose():
-    """f16 activations over f32 adapters: g ≈ m/eps on the zero columns; y and every gradient
-    stay finite and match the spec to f16 rounding (the backward saturates g·dy)."""
-    import shared_spec as S
-
-    d = MOSAIC_CASES[2].make(0)
-    k, a, b = S.to_flax_layout(d.W, d.A, d.B)
-    f16 = jnp.float16
-    x, k, dy = jnp.asarray(d.x, f16), jnp.asarray(k, f16), jnp.asarray(d.dy, f16)
-    a, b, m, bias = (jnp.asarray(v, jnp.float32) for v in (a, b, d.m, d.bias))
-    y, pull = jax.vjp(
-        lambda *p: dora_dense(p[0], k, *p[1:4], d.scaling, p[4], impl="mosaic"), x, a, b, m, bias
-    )
-    grads = pull(dy)
-    W, A, B = S.from_flax_layout(_f64(k), _f64(a), _f64(b))
-    ref_y = S.dora_linear(_f64(x), W, A, B, _f64(m), d.scaling, _f64(bias))
-    ref = S.dora_linear_vjp(_f64(x), W, A, B, _f64(m), d.scaling, _f64(dy), _f64(bias))
-    eps = float(jnp.finfo(f16).eps)
-
-    def rel(got, want):
-        return float(np.linalg.norm(_f64(got) - want) / np.linalg.norm(want))
-
-    assert bool(jnp.all(jnp.isfinite(y))) and rel(y, ref_y) <= 2 * eps
-    for label, g, r in zip(("dx", "da", "db", "dm", "dbias"), grads,
-                           (ref.dx, ref.dA.T, ref.dB.T, ref.dm, ref.dbias)):  # fmt: skip
-        assert bool(jnp.all(jnp.isfinite(g))), f"{label} has NaN/inf"
-        assert rel(g, r) <= 2 * eps, f"{label}: {rel(g, r):.3g}"
 
 
 def test_dora_dense_runs_the_kernel_only_where_it_was_chosen():
