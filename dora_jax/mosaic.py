@@ -28,6 +28,8 @@ every kernel for CUDA on the CPU, which catches layout and tiling errors without
 
 from __future__ import annotations
 
+import inspect
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -38,6 +40,11 @@ from .config import DEFAULT_MOSAIC, MosaicConfig
 
 #: Activation dtypes the wgmma kernels take (f32 keeps XLA's HIGHEST-precision dots).
 MOSAIC_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+# jax 0.10 needs ``plgpu.load``'s index argument; 0.11 deprecates it (index the ref instead).
+_LOAD_NEEDS_INDEX = (
+    inspect.signature(plgpu.load).parameters["idx"].default is inspect.Parameter.empty
+)
 
 
 def compose_supported(tokens: int, d_out: int, dtype, config: MosaicConfig = DEFAULT_MOSAIC):
@@ -106,7 +113,10 @@ def compose(
         """A [tn] f32 vector laid out to broadcast over the rows of a wgmma accumulator."""
         if interpret:
             return ref[...].astype(jnp.float32)
-        return plgpu.load(ref, (), layout=plgpu.Layout.WGMMA.reduce(0)).astype(jnp.float32)
+        layout = plgpu.Layout.WGMMA.reduce(0)
+        if _LOAD_NEEDS_INDEX:
+            return plgpu.load(ref, (), layout=layout).astype(jnp.float32)
+        return plgpu.load(ref, layout=layout).astype(jnp.float32)
 
     def kernel(base_gmem, h_gmem, b_gmem, g_gmem, *rest, tile, g_smem, bias_smem, barriers):
         bias_gmem, y_gmem = rest if has_bias else (None, rest[0])
