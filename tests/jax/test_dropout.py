@@ -18,7 +18,7 @@ from shared_spec.cases import CASES
 from shared_spec.compose import EPS
 from shared_spec.tolerances import assert_close
 
-from .spec_check import _cast, _f64, _value_and_vjp
+from .spec_check import _cast, _value_and_vjp, f64
 
 RATE = 0.3
 KEY = jax.random.key(7)
@@ -63,11 +63,11 @@ def test_dropout_matches_spec_with_the_same_mask(name, dtype, impl, exact):
     dy, s = _cast(d.dy, dtype), d.scaling
     mask = dropout_mask(KEY, RATE, x.shape)
 
-    W, A, B = S.from_flax_layout(_f64(k), _f64(a), _f64(b))
-    x_d = _f64(_dropped(x, mask))
-    args64 = (_f64(x), W, A, B, _f64(m), s)
-    ref_y = S.dora_linear(*args64, _f64(bias), x_dropped=x_d)
-    ref = S.dora_linear_vjp(*args64, _f64(dy), _f64(bias), x_dropped=x_d, exact_norm_grad=exact)
+    W, A, B = S.from_flax_layout(f64(k), f64(a), f64(b))
+    x_d = f64(_dropped(x, mask))
+    args64 = (f64(x), W, A, B, f64(m), s)
+    ref_y = S.dora_linear(*args64, f64(bias), x_dropped=x_d)
+    ref = S.dora_linear_vjp(*args64, f64(dy), f64(bias), x_dropped=x_d, exact_norm_grad=exact)
     # dx_d reaches x through x_d = mask·x/(1 − rate)
     ref_dx = ref.dx + np.asarray(mask) / (1.0 - RATE) * ref.dx_dropped
 
@@ -81,11 +81,11 @@ def test_dropout_matches_spec_with_the_same_mask(name, dtype, impl, exact):
     eps = float(jnp.finfo(dtype).eps)
     floor = eps if dtype == jnp.float32 else None  # as spec_check: f32 floor of one ulp
     tag = f"{name}/{jnp.dtype(dtype).name}/{impl}/exact={exact}"
-    assert_close(_f64(y), ref_y, _f64(y0), machine_eps=eps, floor=floor, name=f"{tag} y")
+    assert_close(f64(y), ref_y, f64(y0), machine_eps=eps, floor=floor, name=f"{tag} y")
     refs = (ref_dx, ref.dA.T, ref.dB.T, ref.dm, ref.dbias)
     for q, g, g0, r in zip(("dx", "dA", "dB", "dm", "dbias"), grads, grads0, refs):
         assert g.dtype == jnp.dtype(dtype)
-        assert_close(_f64(g), r, _f64(g0), machine_eps=eps, floor=floor, name=f"{tag} {q}")
+        assert_close(f64(g), r, f64(g0), machine_eps=eps, floor=floor, name=f"{tag} {q}")
 
 
 @pytest.mark.parametrize("impl", ["xla", "pallas"])

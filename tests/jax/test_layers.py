@@ -17,7 +17,7 @@ from dora_jax.linen import DoraDense as LinenDoraDense
 from dora_jax.linen import merge_params
 from shared_spec.tolerances import assert_close
 
-from .spec_check import _f64
+from .spec_check import f64
 
 
 def _x(shape=(6, 16), seed=1):
@@ -161,13 +161,13 @@ def test_bf16_compute_dtype_matches_spec():
     y0, pull = jax.vjp(naive, *adapters)
     baseline = [y0, *pull(dy)]
 
-    W, A, B = S.from_flax_layout(_f64(kernel), *(_f64(v) for v in adapters[:2]))
-    spec_in = (_f64(x), W, A, B, _f64(adapters[2]), dora.scaling)
-    ref = S.dora_linear_vjp(*spec_in, _f64(dy), _f64(bias))
-    refs = [S.dora_linear(*spec_in, _f64(bias)), ref.dA.T, ref.dB.T, ref.dm]  # Flax layout
+    W, A, B = S.from_flax_layout(f64(kernel), *(f64(v) for v in adapters[:2]))
+    spec_in = (f64(x), W, A, B, f64(adapters[2]), dora.scaling)
+    ref = S.dora_linear_vjp(*spec_in, f64(dy), f64(bias))
+    refs = [S.dora_linear(*spec_in, f64(bias)), ref.dA.T, ref.dB.T, ref.dm]  # Flax layout
     for name, got, want, base in zip(("y", "da", "db", "dm"), ours, refs, baseline):
         assert got.dtype == (bf16 if name == "y" else jnp.float32), name
-        assert_close(_f64(got), want, _f64(base), machine_eps=2.0**-7, name=f"bf16 {name}")
+        assert_close(f64(got), want, f64(base), machine_eps=2.0**-7, name=f"bf16 {name}")
 
 
 def test_linen_twin_gives_identical_numbers():
