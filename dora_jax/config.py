@@ -175,8 +175,13 @@ def _mosaic_takes(op: str, shape: tuple[int, int, int, int], dtype) -> bool:
 
 
 def _is_hopper() -> bool:
-    caps = [getattr(d, "compute_capability", "") for d in jax.devices("gpu")]
-    return bool(caps) and all(str(c).startswith("9.") for c in caps)
+    """Every visible GPU is a Hopper (sm90), where the Mosaic kernels' wgmma and TMA exist."""
+    try:
+        gpus = jax.devices("gpu")
+    except RuntimeError:  # no GPU backend
+        return False
+    caps = [str(getattr(d, "compute_capability", "")) for d in gpus]
+    return bool(caps) and all(c.startswith("9.") for c in caps)
 
 
 def resolve_impl(

@@ -83,6 +83,27 @@ def test_impl_mosaic_resolves_per_op_and_falls_back_to_xla():
             "pallas", "xla")  # fmt: skip
 
 
+def test_auto_picks_mosaic_only_on_hopper_where_a_rule_says_so(monkeypatch):
+    from dora_jax import config
+
+    shape = (128, 48, 256, 8)
+    monkeypatch.setattr(config, "AUTO_MOSAIC", {"compose": lambda t, i, o, r: t >= 128})
+
+    def auto(shape, dtype="bfloat16"):
+        return resolve_impl("auto", "compose", platform="gpu", shape=shape, dtype=dtype)
+
+    monkeypatch.setattr(config, "_is_hopper", lambda: True)
+    assert auto(shape) == "mosaic"
+    assert auto((64, 48, 256, 8)) != "mosaic"  # the rule says no
+    assert auto((100, 48, 256, 8)) != "mosaic"  # the kernel cannot tile it
+    assert auto(shape, "float32") != "mosaic"
+    monkeypatch.setattr(config, "_is_hopper", lambda: False)
+    assert auto(shape) != "mosaic"
+    monkeypatch.undo()
+    if jax.default_backend() != "gpu":
+        assert config._is_hopper() is False  # no GPU backend: no error, no Mosaic
+
+
 # f16 with a zero-norm column overflows the naive baseline (m/eps), which leaves the tolerance
 # rule without a bound: that pair is checked against the spec in test_dtypes.py.
 SPEC_PAIRS = [(c, dt) for c in MOSAIC_CASES for dt in DTYPES
