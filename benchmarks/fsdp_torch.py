@@ -5,6 +5,7 @@ Launched by torchrun, one process per GPU (not part of ``make gpu``, which is on
     torchrun --nproc-per-node 2 -m benchmarks.fsdp_torch --ranks 16 384
     torchrun --nproc-per-node 1 -m benchmarks.fsdp_torch --ranks 16 384 --batch 4  # 1 GPU
     torchrun --nproc-per-node 2 -m benchmarks.fsdp_torch --tiny            # CPU smoke (gloo)
+    torchrun --nproc-per-node 2 -m benchmarks.fsdp_torch --ranks 16 --profile ours peft_lora
 
 Model: ``bench_model_torch``'s 8-layer Llama-8B-shaped model (every rank builds the bf16 base on
 its own GPU from the same seed), PEFT LoRA / DoRA
@@ -79,7 +80,30 @@ def _sharded(base, provider: str, rank: int, adapters: str, param_dtype):
     return model
 
 
-def measure(provider, rank, adapters, *, batch, seq, tiny, device, steps=10) -> dict:
+def _profile(step, sync, path: pathlib.Path) -> None:
+    """torch.profiler tables of 3 steps (every rank steps; rank 0 writes ``path``)."""
+    import torch
+    import torch.distributed as dist
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(ProfilerActivity.CUDA)
+    with profile(activities=activities) as prof:
+        for _ in range(3):
+            step()
+        sync()
+    if dist.get_rank() == 0:
+        ka = prof.key_averages()
+        sort = "self_cuda_time_total" if len(activities) > 1 else "self_cpu_time_total"
+        with path.open("w") as f:
+            f.write(ka.table(sort_by=sort, row_limit=30) + "\n")
+            f.write(ka.table(sort_by="self_cpu_time_total", row_limit=30) + "\n")
+
+
+def measure(
+    provider, rank, adapters, *, batch, seq, tiny, device, steps=10, profile_dir=None
+) -> dict:
     import torch
     import torch.distributed as dist
 
@@ -124,6 +148,9 @@ def measure(provider, rank, adapters, *, batch, seq, tiny, device, steps=10) -> 
     dist.all_reduce(stats, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
     ends = torch.stack([losses[0], losses[-1]]).double() / world
     dist.all_reduce(ends)  # equal local batches: the mean of the local means
+    if profile_dir is not None:  # last: the profiler slows a process, and steps on
+        name = f"profile_fsdp_{provider}_r{rank}_world{world}.txt"
+        _profile(step, sync, pathlib.Path(profile_dir) / name)
     ms = float(stats[0])
     return {"world": world, "provider": provider, "adapters": adapters, "rank": rank,
             "batch_per_gpu": batch, "seq": seq, "step_ms": round(ms, 2),
@@ -145,6 +172,8 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=2, help="sequences per GPU")
     ap.add_argument("--providers", nargs="+", default=list(PROVIDERS), choices=PROVIDERS)
     ap.add_argument("--tiny", action="store_true", help="a small model (CPU smoke run)")
+    ap.add_argument("--profile", nargs="*", default=[], choices=PROVIDERS,
+                    help="providers to profile after timing (rank 0's tables)")  # fmt: skip
     ap.add_argument("--out", default=os.environ.get("OUT", "out") + "/bench")
     args = ap.parse_args(argv)
 
@@ -161,8 +190,9 @@ def main(argv=None) -> int:
         for rank in args.ranks:
             for provider in args.providers:
                 try:
+                    prof = args.out if provider in args.profile else None
                     row = measure(provider, rank, args.adapters, batch=args.batch, seq=seq,
-                                  tiny=args.tiny, device=device)  # fmt: skip
+                                  tiny=args.tiny, device=device, profile_dir=prof)  # fmt: skip
                 except Exception as e:  # one provider failing must not end the others
                     error = f"{type(e).__name__}: {e}"
                     row = {"world": dist.get_world_size(), "provider": provider, "rank": rank,
