@@ -21,6 +21,10 @@ per-program compile/timing seconds are printed (and kept in the CSV).
     python3 -m benchmarks.run --only jax_layer --skip-tests
     JAX_LAYER_SHAPES=4096x4096_r384_t512_infer JAX_LAYER_PROVIDERS=lora,ours_mosaic \
         python3 -m benchmarks.run --only jax_layer --skip-tests      # a subset
+
+After the layer rows, ``compose_configs`` times the compose alone (XLA, Triton-lowered Pallas,
+Mosaic under each tile config of ``MOSAIC_COMPOSE_CONFIGS``) into
+``jax_layer_compose_configs.csv``; ``JAX_LAYER_MOSAIC_SWEEP=0`` skips it.
 """
 
 from __future__ import annotations
@@ -330,4 +334,56 @@ def run(out_dir) -> list[dict]:
         )
     write_csv(path, rows, FIELDS)
     print(f"[{BENCH}] wrote {path}", flush=True)
+    if os.environ.get("JAX_LAYER_MOSAIC_SWEEP", "1") == "1":
+        try:
+            write_csv(out_dir / "jax_layer_compose_configs.csv", compose_configs())
+        except Exception:
+            traceback.print_exc()
     return _summary(rows)
+
+
+#: (compose_tile_m, compose_tile_n, compose_max_concurrent_steps) tried by ``compose_configs``.
+MOSAIC_COMPOSE_CONFIGS = [(64, 128, 2), (128, 128, 2), (64, 256, 2), (128, 64, 2), (64, 128, 3)]
+#: (tokens, d_out, rank) of the compose-only sweep: the inference and headline shapes.
+COMPOSE_SHAPES = [(512, 4096, 384), (4096, 8192, 384), (4096, 8192, 16)]
+
+
+def compose_configs(shapes=COMPOSE_SHAPES, configs=MOSAIC_COMPOSE_CONFIGS) -> list[dict]:
+    """The compose alone (base and h given): XLA's, the Triton-lowered Pallas kernel and the
+    Mosaic kernel under each tile config; the evidence for ``MosaicConfig``'s defaults and
+    for ``AUTO_MOSAIC``."""
+    import functools
+
+    from dora_jax import kernels, mosaic, xla_ops
+    from dora_jax.config import MosaicConfig
+
+    rows = []
+    for tokens, d_out, r in shapes:
+        keys = jax.random.split(jax.random.key(0), 4)
+        base = jax.random.normal(keys[0], (tokens, d_out), BF16)
+        h = jax.random.normal(keys[1], (tokens, r), BF16)
+        b = (jax.random.normal(keys[2], (r, d_out)) / r**0.5).astype(BF16)
+        g = 0.5 + jax.random.uniform(keys[3], (d_out,))
+        args = [(base, h, b, g)]
+        fns = {
+            "xla": lambda *a: xla_ops.compose(*a, scaling=SCALING, precision=None)[0],
+            "pallas": lambda *a: kernels.compose(*a, scaling=SCALING),
+        }
+        for tm, tn, steps in configs:
+            cfg = MosaicConfig(compose_tile_m=tm, compose_tile_n=tn,
+                               compose_max_concurrent_steps=steps)  # fmt: skip
+            if mosaic.compose_supported(tokens, d_out, BF16, cfg):
+                fns[f"mosaic_{tm}x{tn}_s{steps}"] = functools.partial(
+                    mosaic.compose, scaling=SCALING, config=cfg
+                )
+        for name, fn in fns.items():
+            row = dict(tokens=tokens, d_out=d_out, rank=r, impl=name, ms=None, error="")
+            try:
+                row["ms"] = _time(jax.jit(fn), args) * 1e3
+            except Exception as e:  # one config failing must not stop the sweep
+                row["error"] = error_text(e)
+            rows.append(row)
+            print(f"[{BENCH}] compose {tokens}x{d_out} r={r} {name}: {row['ms']} {row['error']}",
+                  flush=True)  # fmt: skip
+        del base, h, b, g, args
+    return rows
