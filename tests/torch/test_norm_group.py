@@ -166,8 +166,10 @@ def _train(model, x, steps, opt_kind="fused"):
 
 
 @gpu
+@pytest.mark.parametrize("assembly", ["kernel", "gemm"])  # the gemm's cuBLAS call, captured
 @pytest.mark.parametrize("adapter_dtype", [None, torch.bfloat16])
-def test_graph_replay_matches_layer_by_layer_on_gpu(monkeypatch, adapter_dtype):
+def test_graph_replay_matches_layer_by_layer_on_gpu(monkeypatch, adapter_dtype, assembly):
+    monkeypatch.setattr(config, "NORM_ASSEMBLY", assembly)
     x = torch.randn(512, 24, device="cuda", dtype=torch.bfloat16)
     ref_model, _ = _model("cuda", torch.bfloat16, adapter_dtype)
     monkeypatch.setattr(config, "NORM_GROUP_GRAPHS", False)
