@@ -342,8 +342,12 @@ def run(out_dir) -> list[dict]:
     return _summary(rows)
 
 
-#: (compose_tile_m, compose_tile_n, compose_max_concurrent_steps) tried by ``compose_configs``.
-MOSAIC_COMPOSE_CONFIGS = [(64, 128, 2), (128, 128, 2), (64, 256, 2), (128, 64, 2), (64, 128, 3)]
+#: (compose_tile_m, compose_tile_n, compose_max_concurrent_steps, compose_wgmma_in_flight)
+#: tried by ``compose_configs``.
+MOSAIC_COMPOSE_CONFIGS = [
+    (64, 128, 2, 0), (128, 128, 2, 0), (64, 256, 2, 0), (128, 64, 2, 0), (64, 128, 3, 0),
+    (64, 128, 3, 1), (128, 128, 3, 1),
+]  # fmt: skip
 #: (tokens, d_out, rank) of the compose-only sweep: the inference and headline shapes.
 COMPOSE_SHAPES = [(512, 4096, 384), (4096, 8192, 384), (4096, 8192, 16)]
 
@@ -369,11 +373,12 @@ def compose_configs(shapes=COMPOSE_SHAPES, configs=MOSAIC_COMPOSE_CONFIGS) -> li
             "xla": lambda *a: xla_ops.compose(*a, scaling=SCALING, precision=None)[0],
             "pallas": lambda *a: kernels.compose(*a, scaling=SCALING),
         }
-        for tm, tn, steps in configs:
+        for tm, tn, steps, in_flight in configs:
             cfg = MosaicConfig(compose_tile_m=tm, compose_tile_n=tn,
-                               compose_max_concurrent_steps=steps)  # fmt: skip
+                               compose_max_concurrent_steps=steps,
+                               compose_wgmma_in_flight=in_flight)  # fmt: skip
             if mosaic.compose_supported(tokens, d_out, BF16, cfg):
-                fns[f"mosaic_{tm}x{tn}_s{steps}"] = functools.partial(
+                fns[f"mosaic_{tm}x{tn}_s{steps}_w{in_flight}"] = functools.partial(
                     mosaic.compose, scaling=SCALING, config=cfg
                 )
         for name, fn in fns.items():

@@ -73,14 +73,17 @@ class MosaicConfig:
 
     compose: grid over (tokens / compose_tile_m, d_out / compose_tile_n), one warpgroup per
              program; the rank is walked by ``emit_pipeline`` with up to
-             ``compose_max_concurrent_steps`` TMA copies in flight. A wgmma accumulator has
-             64-row granules and TMA's swizzled tiles 64 columns of 16-bit values, hence the
-             multiples of 64.
+             ``compose_max_concurrent_steps`` TMA copies in flight, and
+             ``compose_wgmma_in_flight`` (0 or 1) wgmma steps left running while the next one
+             is issued (1 delays the release of each step's SMEM by one step, so it needs at
+             least 2 concurrent steps). A wgmma accumulator has 64-row granules and TMA's
+             swizzled tiles 64 columns of 16-bit values, hence the multiples of 64.
     """
 
     compose_tile_m: int = 64
     compose_tile_n: int = 128
     compose_max_concurrent_steps: int = 2
+    compose_wgmma_in_flight: int = 0
 
     def __post_init__(self):
         for name in ("compose_tile_m", "compose_tile_n"):
@@ -90,6 +93,13 @@ class MosaicConfig:
         v = self.compose_max_concurrent_steps
         if not isinstance(v, int) or v < 1:
             raise ValueError(f"compose_max_concurrent_steps must be a positive int; got {v!r}")
+        w = self.compose_wgmma_in_flight
+        if w not in (0, 1) or isinstance(w, bool):
+            raise ValueError(f"compose_wgmma_in_flight must be 0 or 1; got {w!r}")
+        if w >= v:
+            raise ValueError(
+                f"compose_wgmma_in_flight={w} needs compose_max_concurrent_steps > {w}; got {v}"
+            )
 
 
 DEFAULT_MOSAIC = MosaicConfig()

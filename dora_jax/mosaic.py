@@ -10,7 +10,8 @@ owns one [tile_m, tile_n] tile of y:
   1. it starts TMA copies of its base tile, and of g and bias over its columns, so they land
      while the tensor cores work;
   2. ``emit_pipeline`` walks the rank in steps of tile_k (TMA into swizzled SMEM, one wgmma
-     per step into an f32 accumulator in registers);
+     per step into an f32 accumulator in registers; ``MosaicConfig.compose_wgmma_in_flight``
+     lets one wgmma run on while the next step's is issued);
   3. the epilogue forms g ⊙ (base + s·acc) + bias in f32, rounds once into the base tile's
      SMEM and stores it with TMA. h·b never reaches HBM; base is read once and y written once.
 
@@ -28,6 +29,7 @@ every kernel for CUDA on the CPU, which catches layout and tiling errors without
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 import jax
@@ -100,6 +102,7 @@ def compose(
             f"N % {config.compose_tile_n} == 0; got {dtype} {base.shape}"
         )
     tm, tn = config.compose_tile_m, config.compose_tile_n
+    in_flight = config.compose_wgmma_in_flight
     tk = _rank_tile(rank)
     padded = -(-rank // tk) * tk
     if padded != rank:  # zero columns of h meet zero rows of b: the product is unchanged
@@ -130,17 +133,18 @@ def compose(
         def lora_product(acc):
             def step(_, h_smem, b_smem):
                 plgpu.wgmma(acc, h_smem, b_smem)
-                plgpu.wgmma_wait(0)
+                plgpu.wgmma_wait(in_flight)
 
+            spec = functools.partial(
+                plgpu.BlockSpec, transforms=_swizzled(tk, item), delay_release=in_flight
+            )
             plgpu.emit_pipeline(
                 step,
                 grid=(padded // tk,),
-                in_specs=[
-                    plgpu.BlockSpec((tm, tk), lambda k: (i, k), transforms=_swizzled(tk, item)),
-                    plgpu.BlockSpec((tk, tn), lambda k: (k, j), transforms=_swizzled(tk, item)),
-                ],
+                in_specs=[spec((tm, tk), lambda k: (i, k)), spec((tk, tn), lambda k: (k, j))],
                 max_concurrent_steps=config.compose_max_concurrent_steps,
             )(h_gmem, b_gmem)
+            plgpu.wgmma_wait(0)
             return acc[...]
 
         lora = pl.run_scoped(lora_product, plgpu.ACC((tm, tn), jnp.float32))

@@ -7,6 +7,8 @@ Run on the GPU machine: ``python -m pytest -q -m gpu tests/jax``.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -106,13 +108,16 @@ def test_mosaic_against_spec(case, dtype):
 
 @pytest.mark.skipif(not _hopper(), reason="Mosaic GPU kernels need Hopper (sm90)")
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
+@pytest.mark.parametrize("in_flight", [0, 1], ids=["wait", "one_in_flight"])
 @pytest.mark.parametrize(
     ("tokens", "d_out", "rank"), [(64, 128, 1), (256, 512, 40), (4096, 4096, 384)]
 )
-def test_mosaic_compose_matches_float64(tokens, d_out, rank, dtype):
+def test_mosaic_compose_matches_float64(tokens, d_out, rank, dtype, in_flight):
     from dora_jax import mosaic
+    from dora_jax.config import MosaicConfig
 
     from .compose_check import check_compose
 
-    compose = jax.jit(mosaic.compose, static_argnames="scaling")
+    config = MosaicConfig(compose_max_concurrent_steps=3, compose_wgmma_in_flight=in_flight)
+    compose = jax.jit(functools.partial(mosaic.compose, config=config), static_argnames="scaling")
     check_compose(compose, tokens, d_out, rank, dtype)

@@ -31,11 +31,22 @@ def test_compose_matches_float64_within_the_xla_error(tokens, d_out, rank, bias,
     check_compose(compose, tokens, d_out, rank, dtype, bias=bias)
 
 
+def test_compose_with_a_wgmma_left_in_flight_matches_float64():
+    config = MosaicConfig(compose_max_concurrent_steps=3, compose_wgmma_in_flight=1)
+    compose = functools.partial(mosaic.compose, interpret=True, config=config)
+    check_compose(compose, 128, 256, 200, jnp.bfloat16)  # 4 rank steps of 64
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "f16"])
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize(
     ("config", "rank"),
-    [(MosaicConfig(), 8), (MosaicConfig(), 384), (MosaicConfig(compose_tile_m=128), 32)],
+    [
+        (MosaicConfig(), 8),
+        (MosaicConfig(), 384),
+        (MosaicConfig(compose_tile_m=128), 32),
+        (MosaicConfig(compose_max_concurrent_steps=3, compose_wgmma_in_flight=1), 384),
+    ],
 )
 def test_compose_lowers_for_cuda(config, rank, bias, dtype):
     base, h, b, g, bias_v = compose_operands(256, 512, rank, dtype, bias=bias)
@@ -63,6 +74,10 @@ def test_mosaic_config_is_checked():
         MosaicConfig(compose_tile_m=32)
     with pytest.raises(ValueError, match="compose_max_concurrent_steps"):
         MosaicConfig(compose_max_concurrent_steps=0)
+    with pytest.raises(ValueError, match="compose_wgmma_in_flight"):
+        MosaicConfig(compose_wgmma_in_flight=2)
+    with pytest.raises(ValueError, match="needs compose_max_concurrent_steps > 1"):
+        MosaicConfig(compose_wgmma_in_flight=1, compose_max_concurrent_steps=1)
     with pytest.raises(TypeError):
         MosaicConfig(64)  # keyword-only
 
