@@ -167,7 +167,7 @@ def compose(
         barriers=plgpu.Barrier(num_barriers=3, num_arrivals=1),
     )
     interpret_params = None
-    if interpret:
+    if interpret:  # Pallas' GPU interpreter has no public name yet (jax 0.10-0.11)
         from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
 
         interpret_params = InterpretGPUParams()
