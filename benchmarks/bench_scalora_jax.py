@@ -9,9 +9,9 @@ as a Python int so that non-merge steps return on the host), a jitted ``optimize
 (optax AdamW). Variants and statistics as in ``bench_scalora_torch``: the mean step time over
 max(20, I) steps after 3 warm-up steps (ScaLoRA-I's cost is amortised), and the device's
 peak memory (``memory_stats``; not reported on CPU). Ratios against ``lora`` of the same rank.
-JAX's GPU client cannot reset its peak, so a process's peak covers every variant it ran:
-``--isolate`` runs each variant in a process of its own, which makes the peaks comparable
-(run 15's in-process peaks were not).
+JAX's GPU client cannot reset its peak, so a process's peak covers every variant it ran: without
+``--isolate`` (one process per variant) such peaks are not reported (run 15's in-process peaks
+were printed and were not comparable).
 
     python3 -m benchmarks.bench_scalora_jax --ranks 8 64 --layers 8 --isolate
     python3 -m benchmarks.bench_scalora_jax --tiny      # a CPU smoke run of the same code
@@ -28,13 +28,13 @@ import sys
 import time
 
 from benchmarks import bench_model_jax as bm
-from benchmarks.bench_scalora_torch import VARIANTS, summary_rows
+from benchmarks.bench_scalora_torch import VARIANTS, summary_rows, variant_rows
 from benchmarks.measure import write_csv
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # share the GPU with torch
 
 FIELDS = ["backend", "variant", "rank", "interval", "steps", "step_mean_ms", "peak_gib",
-          "time_ratio"]  # fmt: skip
+          "time_ratio", "peak_ratio"]  # fmt: skip
 GIB = 2.0**30
 LR, LR_TIMES_L = 1e-5, 1.0  # the cost does not depend on L·η (both branches are computed)
 
@@ -58,7 +58,12 @@ def _model(rank: int, n_layers: int, tiny: bool):
     return model
 
 
-def measure(rank: int, interval: int, *, layers: int = 8, tiny: bool = False) -> dict:
+def measure(
+    rank: int, interval: int, *, layers: int = 8, tiny: bool = False, own_process: bool = False
+) -> dict:
+    """One variant. ``own_process``: nothing else ran in this process, so its device peak is
+    this variant's even where the peak cannot be reset; otherwise such a peak is not reported
+    (None)."""
     import jax
     import jax.numpy as jnp
     import optax
@@ -102,7 +107,8 @@ def measure(rank: int, interval: int, *, layers: int = 8, tiny: bool = False) ->
     ready()
     device = jax.devices()[0]
     stats = device.memory_stats() or {}
-    if "peak_bytes_in_use" in stats and hasattr(device, "reset_memory_stats"):
+    resettable = hasattr(device, "reset_memory_stats")
+    if "peak_bytes_in_use" in stats and resettable:
         device.reset_memory_stats()
     steps = max(20, interval)
     t0 = time.perf_counter()
@@ -111,6 +117,8 @@ def measure(rank: int, interval: int, *, layers: int = 8, tiny: bool = False) ->
     ready()
     ms = (time.perf_counter() - t0) / steps * 1e3
     peak = (device.memory_stats() or {}).get("peak_bytes_in_use")
+    if not (resettable or own_process):
+        peak = None  # the process-wide peak would include the variants run before this one
     return {"backend": jax.default_backend(), "rank": rank, "interval": interval,
             "steps": steps, "step_mean_ms": round(ms, 2),
             "peak_gib": None if peak is None else round(peak / GIB, 3)}  # fmt: skip
@@ -141,13 +149,7 @@ def _bench(out_dir, ranks, *, layers: int = 8, tiny: bool = False, isolate: bool
             else:
                 got[name] = measure(rank, interval, layers=layers, tiny=tiny)
                 jax.clear_caches()
-        for name, row in got.items():
-            row["variant"] = name
-            row["time_ratio"] = round(row["step_mean_ms"] / got["lora"]["step_mean_ms"], 3)
-            rows.append(row)
-            ms, ratio, peak = row["step_mean_ms"], row["time_ratio"], row["peak_gib"]
-            print(f"[scalora_jax] r={rank} {name:<13} {ms:9.2f} ms ({ratio:.3f}× LoRA), "
-                  f"peak {peak} GiB", flush=True)  # fmt: skip
+        rows += variant_rows("scalora_jax", rank, got)
         summary += summary_rows("scalora_jax", rank, got)
     write_csv(pathlib.Path(out_dir) / "scalora_jax.csv", rows, FIELDS)
     return summary
@@ -171,7 +173,7 @@ def main(argv=None) -> int:
     )  # a child of --isolate: print one JSON row
     args = ap.parse_args(argv)
     if args.one:
-        print(json.dumps(measure(*args.one, layers=args.layers, tiny=args.tiny)))
+        print(json.dumps(measure(*args.one, layers=args.layers, tiny=args.tiny, own_process=True)))
         return 0
     summary = _bench(args.out, args.ranks, layers=args.layers, tiny=args.tiny,
                      isolate=args.isolate, variants=args.variants)  # fmt: skip

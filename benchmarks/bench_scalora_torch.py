@@ -71,6 +71,23 @@ def measure(rank: int, interval: int, *, layers: int = 8) -> dict:
             "peak_gib": round(peak, 3)}  # fmt: skip
 
 
+def variant_rows(bench: str, rank: int, got: dict[str, dict]) -> list[dict]:
+    """Each variant's row with its name and its time and peak ratios to ``lora`` (no peak
+    ratio where a peak is missing), printed (both backends' benches)."""
+    base = got["lora"]
+    rows = []
+    for name, row in got.items():
+        row["variant"] = name
+        row["time_ratio"] = round(row["step_mean_ms"] / base["step_mean_ms"], 3)
+        peaks = (row.get("peak_gib"), base.get("peak_gib"))
+        row["peak_ratio"] = None if None in peaks else round(peaks[0] / peaks[1], 3)
+        peak = "n/a" if peaks[0] is None else f"{peaks[0]:.3f} GiB ({row['peak_ratio']:.3f}×)"
+        print(f"[{bench}] r={rank} {name:<13} {row['step_mean_ms']:8.2f} ms "
+              f"({row['time_ratio']:.3f}× LoRA), peak {peak}", flush=True)  # fmt: skip
+        rows.append(row)
+    return rows
+
+
 def summary_rows(bench: str, rank: int, got: dict[str, dict]) -> list[dict]:
     """The issue's targets against each variant's ``time_ratio`` (both backends' benches)."""
     out = []
@@ -91,15 +108,7 @@ def _bench(out_dir, ranks) -> list[dict]:
         for name, interval in VARIANTS.items():
             got[name] = {**meta, **measure(rank, interval)}
             free_cuda()  # the variant's model copy is gone with measure's frame
-        base = got["lora"]
-        for name, row in got.items():
-            row["variant"] = name
-            row["time_ratio"] = round(row["step_mean_ms"] / base["step_mean_ms"], 3)
-            row["peak_ratio"] = round(row["peak_gib"] / base["peak_gib"], 3)
-            rows.append(row)
-            print(f"[scalora_torch] r={rank} {name:<13} {row['step_mean_ms']:8.2f} ms "
-                  f"({row['time_ratio']:.3f}× LoRA), peak {row['peak_gib']:.3f} GiB "
-                  f"({row['peak_ratio']:.3f}×)", flush=True)  # fmt: skip
+        rows += variant_rows("scalora_torch", rank, got)
         summary += summary_rows("scalora_torch", rank, got)
     write_csv(out_dir / "scalora_torch.csv", rows, FIELDS)
     return summary
