@@ -13,6 +13,12 @@ model, data and seed with a different (equally valid) GEMM summation. Its per-st
 against the first PEFT run is PEFT's own run-to-run spread; ours must stay within it
 (mean and max, reported side by side).
 
+Each of the three trainings (PEFT, ours, PEFT rerun) runs in its own process, all three at
+once on the one GPU (``DORA_BENCH_CONV_PARALLEL=0`` runs them one after another in this
+process). The small model leaves the GPU mostly idle (the step is host-bound), so 2000 steps
+take about a third of the serial time; the losses do not depend on what else runs on the
+device, but the step times do: they are reported only for serial runs.
+
     DORA_BENCH_CONV_STEPS=2000 python3 -m benchmarks.run --only convergence --skip-tests
 """
 
@@ -36,42 +42,41 @@ def run(out_dir: pathlib.Path) -> list[dict]:
 
     from benchmarks.plots import line_plot
     from examples.configs import get_config
-    from examples.demo import THRESHOLDS, delta_panel, stage_data, stage_train
+    from examples.demo import THRESHOLDS, delta_panel
     from examples.report import write_curves_csv
-    from examples.training import OURS, build_base_model
 
     if not torch.cuda.is_available():
         raise RuntimeError("bench_convergence needs a CUDA GPU")
     cfg = replace(get_config("small"), steps=steps())
-    print(f"[convergence] config {cfg.name}, {cfg.steps} steps, bf16 on cuda")
-    batches, _, tok = stage_data(cfg, seed=0)
-    base = build_base_model(cfg, vocab_size=tok.vocab_size, seed=0)
-    pair = stage_train(
-        base, cfg, batches, device="cuda", dtype=torch.bfloat16, seed=0, ours=OURS["accelerate"]
-    )
-    delta = np.abs(np.asarray(pair.peft.losses) - np.asarray(pair.ours.losses))
-    floor_losses = _peft_rerun(base, cfg, batches)
-    floor = np.abs(np.asarray(pair.peft.losses) - np.asarray(floor_losses))
-
+    parallel = os.environ.get("DORA_BENCH_CONV_PARALLEL", "1") != "0"
+    print(f"[convergence] config {cfg.name}, {cfg.steps} steps, bf16 on cuda, "
+          f"{'three processes at once' if parallel else 'serial'}")  # fmt: skip
     out_dir = pathlib.Path(out_dir)
-    write_curves_csv(
-        out_dir / "convergence.csv",
-        {
-            "loss_peft": pair.peft.losses,
-            "loss_ours": pair.ours.losses,
-            "abs_delta": delta.tolist(),
-            "loss_peft_rerun": floor_losses,
-            "abs_delta_peft_rerun": floor.tolist(),
-            "ms_peft": pair.peft.step_ms,
-            "ms_ours": pair.ours.step_ms,
-        },
-    )
+    if parallel:
+        runs = _parallel_runs(cfg.steps, out_dir)
+    else:
+        runs = {kind: train_one(kind, cfg.steps) for kind in JOBS}
+    peft, ours, rerun = (runs[kind] for kind in JOBS)
+    delta = np.abs(np.asarray(peft.losses) - np.asarray(ours.losses))
+    floor_losses = rerun.losses
+    floor = np.abs(np.asarray(peft.losses) - np.asarray(floor_losses))
+
+    curves = {
+        "loss_peft": peft.losses,
+        "loss_ours": ours.losses,
+        "abs_delta": delta.tolist(),
+        "loss_peft_rerun": floor_losses,
+        "abs_delta_peft_rerun": floor.tolist(),
+    }
+    if not parallel:
+        curves.update(ms_peft=peft.step_ms, ms_ours=ours.step_ms)
+    write_curves_csv(out_dir / "convergence.csv", curves)
     x = list(range(1, cfg.steps + 1))
     line_plot(
         out_dir / "convergence.png",
         {
-            "PEFT DoRA": (x, pair.peft.losses),
-            "ours (accelerate_peft)": (x, pair.ours.losses),
+            "PEFT DoRA": (x, peft.losses),
+            "ours (accelerate_peft)": (x, ours.losses),
             "PEFT DoRA, rerun (noise floor)": (x, floor_losses),
         },
         title=f"DoRA convergence, {cfg.name} Llama, bf16, mean |Δloss| {delta.mean():.2e}",
@@ -111,30 +116,85 @@ def run(out_dir: pathlib.Path) -> list[dict]:
             target="<= 1",
             ok=bool(delta.max() <= floor.max()),
         ),
-        dict(bench="convergence", metric="final loss PEFT DoRA", value=pair.peft.losses[-1]),
-        dict(bench="convergence", metric="final loss ours", value=pair.ours.losses[-1]),
-        dict(
-            bench="convergence",
-            metric="step time PEFT/ours (median)",
-            value=pair.peft.median_step_ms / pair.ours.median_step_ms,
-        ),
-    ]
+        dict(bench="convergence", metric="final loss PEFT DoRA", value=peft.losses[-1]),
+        dict(bench="convergence", metric="final loss ours", value=ours.losses[-1]),
+    ] + (
+        []
+        if parallel
+        else [
+            dict(
+                bench="convergence",
+                metric="step time PEFT/ours (median)",
+                value=peft.median_step_ms / ours.median_step_ms,
+            )
+        ]
+    )
 
 
-def _peft_rerun(base, cfg, batches) -> list[float]:
-    """PEFT's DoRA again, same seed and batches, with the bf16 GEMM reduction mode flipped."""
-    import copy
+#: The three trainings, in the order ``run`` reads them.
+JOBS = ("peft", "ours", "peft_rerun")
 
+
+def train_one(kind: str, n_steps: int):
+    """One of ``JOBS`` from scratch: the demo's data, base and adapter init (seed 0), bf16."""
     import torch
 
-    from examples.training import peft_dora, train
+    from examples.configs import get_config
+    from examples.demo import stage_data
+    from examples.training import OURS, build_base_model, peft_dora, train
 
+    if kind not in JOBS:
+        raise ValueError(f"kind must be one of {JOBS}; got {kind!r}")
+    cfg = replace(get_config("small"), steps=n_steps)
+    batches, _, tok = stage_data(cfg, seed=0)
+    base = build_base_model(cfg, vocab_size=tok.vocab_size, seed=0)
+    work = base.to(device="cuda", dtype=torch.bfloat16)
+    model = peft_dora(work, cfg, seed=0)
+    if kind == "ours":
+        model = OURS["accelerate"].from_peft(model, work)
     flag = torch.backends.cuda.matmul
     before = flag.allow_bf16_reduced_precision_reduction
-    flag.allow_bf16_reduced_precision_reduction = not before
+    if kind == "peft_rerun":  # the same GEMMs with the other (equally valid) bf16 summation
+        flag.allow_bf16_reduced_precision_reduction = not before
     try:
-        work = copy.deepcopy(base).to(device="cuda", dtype=torch.bfloat16)
-        model = peft_dora(work, cfg, seed=0)
-        return train(model, batches, lr=cfg.lr, device="cuda", desc="PEFT rerun").losses
+        return train(model, batches, lr=cfg.lr, device="cuda", desc=kind)
     finally:
         flag.allow_bf16_reduced_precision_reduction = before
+
+
+def _parallel_runs(n_steps: int, out_dir: pathlib.Path) -> dict:
+    """``train_one`` for every job, each in its own process, all at once."""
+    import json
+    import subprocess
+    import sys
+    from types import SimpleNamespace
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    procs = {}
+    for kind in JOBS:
+        path = out_dir / f"convergence_{kind}.json"
+        cmd = [sys.executable, "-m", "benchmarks.bench_convergence", kind, str(n_steps), str(path)]
+        procs[kind] = (subprocess.Popen(cmd), path)
+    failed = [kind for kind, (proc, _) in procs.items() if proc.wait() != 0]
+    if failed:
+        raise RuntimeError(f"convergence jobs failed: {failed}")
+    runs = {}
+    for kind, (_, path) in procs.items():
+        runs[kind] = SimpleNamespace(**json.loads(path.read_text()))
+        path.unlink()
+    return runs
+
+
+def main(argv=None) -> int:
+    """``python -m benchmarks.bench_convergence KIND STEPS OUT.json``: one job (see ``run``)."""
+    import json
+    import sys
+
+    kind, n_steps, path = argv if argv is not None else sys.argv[1:]
+    result = train_one(kind, int(n_steps))
+    pathlib.Path(path).write_text(json.dumps({"losses": result.losses}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

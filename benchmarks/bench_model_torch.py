@@ -196,8 +196,11 @@ def measure_infer(model, run, ids, mode: str, *, dora_caching: bool = False) -> 
         return cuda_time_ms(infer, warmup=WARMUP[mode], iters=ITERS)
 
 
-def profile_train(model, ids, path: pathlib.Path, optim: str = "foreach") -> None:
-    """torch.profiler tables (device and host time per op) of 3 eager training steps."""
+def profile_train(
+    model, run, ids, path: pathlib.Path, mode: str = "eager", optim: str = "foreach"
+) -> None:
+    """torch.profiler tables (device and host time per op) of 3 training steps of ``run``
+    (``model`` itself or its compiled form, already warm)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -206,8 +209,9 @@ def profile_train(model, ids, path: pathlib.Path, optim: str = "foreach") -> Non
     model.train()
 
     def step():
+        _mark_step(mode)
         opt.zero_grad(set_to_none=True)
-        model(input_ids=ids, labels=ids).loss.backward()
+        run(input_ids=ids, labels=ids).loss.backward()
         opt.step()
 
     for _ in range(3):
@@ -341,10 +345,10 @@ def bench(
                             print(
                                 f"[model_torch] {_fmt(row)} ({time.time() - t0:.0f}s)", flush=True
                             )
+                        if name in profile:  # after this provider's timing in this mode
+                            path = out_dir / f"profile_{name}_{mode}_r{rank}_b{batch}.txt"
+                            profile_train(model, run, ids, path, mode)
                         del run
-                    if name in profile:  # after timing: a profiled process times slower
-                        path = out_dir / f"profile_{name}_r{rank}_b{batch}.txt"
-                        profile_train(model, ids, path)
                 except Exception as e:  # one failing provider must not end the others
                     traceback.print_exc()
                     rows.append(
@@ -455,7 +459,11 @@ def main(argv=None) -> int:
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     ap.add_argument("--optims", nargs="+", default=list(OPTIMS), choices=OPTIMS)
     ap.add_argument("--providers", nargs="+", default=list(PROVIDERS), choices=list(PROVIDERS))
-    ap.add_argument("--profile", nargs="*", default=[], help="providers to profile (eager)")
+    ap.add_argument(
+        "--profile", nargs="*", default=[],
+        help="providers to profile in each mode, after timing it (a profiled process times "
+        "later calls slower: take timings from a separate invocation)",
+    )  # fmt: skip
     ap.add_argument("--grad-ckpt", action="store_true", help="activation checkpointing on")
     ap.add_argument("--out", default=os.environ.get("OUT", "out") + "/bench")
     args = ap.parse_args(argv)
