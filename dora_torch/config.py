@@ -127,6 +127,10 @@ BWD_CANDIDATES = (
     ReduceConfig(64, 128, 8, 512),
     ReduceConfig(32, 128, 4, 128),
     ReduceConfig(16, 128, 2, 256),
+    ReduceConfig(32, 128, 4, 512),
+    ReduceConfig(64, 128, 8, 256),
+    ReduceConfig(32, 256, 8, 512),
+    ReduceConfig(64, 256, 8, 512),
 )
 BWD = BWD_CANDIDATES[0]
 #: Up to this many dy elements (T·d_out) one program walks all tokens of its columns: the pass

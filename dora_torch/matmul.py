@@ -49,3 +49,21 @@ def scaled_mm(a: torch.Tensor, b: torch.Tensor, alpha: float, dtype: torch.dtype
     if alpha != 1.0:
         out = out.mul_(alpha)
     return out if out.dtype == dtype else out.to(dtype)
+
+
+@torch.library.custom_op("dora_torch::addmm_into", mutates_args=("out",))
+def _addmm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: float) -> None:
+    out.addmm_(a, b, alpha=alpha)
+
+
+def addmm_inplace(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: float):
+    """``out += alpha · (a @ b)`` in place (cuBLAS with beta = 1), returning ``out``.
+
+    Compiled graphs get the same in-place GEMM through a mutating custom op: functionalization
+    turns ``out.addmm_`` into an out-of-place ``addmm``, which ATen runs as a copy of ``out``
+    followed by the GEMM (one extra pass over a [T, d_in] gradient per layer), while Inductor
+    runs a mutating custom op in place on a buffer nothing else reads."""
+    if torch.compiler.is_compiling():
+        _addmm_into(out, a, b, alpha)
+        return out
+    return out.addmm_(a, b, alpha=alpha)

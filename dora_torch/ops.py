@@ -45,7 +45,7 @@ import torch
 
 from . import config
 from .compose import compose, compose_dropout, magnitude_scale, magnitude_scale_minus_one
-from .matmul import compute_dtype, scaled_mm
+from .matmul import addmm_inplace, compute_dtype, scaled_mm
 
 SAVE_NONE, SAVE_INNER, SAVE_RECOVER = 0, 1, 2
 
@@ -143,12 +143,12 @@ def backward_core(
     dA = scaled_mm(t.t(), x_in, scaling, _grad_dtype(dA_dtype, dt, acc))
     dx = dx_d = None
     if need_dx:
-        # addmm_ in place: one [T, d_in] buffer per result, not two.
+        # In place: one [T, d_in] buffer per result, not two, and no copy.
         if dropout:
             dx = torch.mm(dy, weight)
-            dx_d = torch.mm(dyg1, weight).addmm_(t, a, alpha=scaling)
+            dx_d = addmm_inplace(torch.mm(dyg1, weight), t, a, scaling)
         else:
-            dx = torch.mm(dyg, weight).addmm_(t, a, alpha=scaling)
+            dx = addmm_inplace(torch.mm(dyg, weight), t, a, scaling)
     dn = None
     if need_dn:
         g = magnitude_scale(magnitude, norm)

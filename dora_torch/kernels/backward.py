@@ -132,8 +132,10 @@ def _scale_reduce_kernel(
     inv_g = tl.where(g != 0.0, 1.0 / tl.where(g != 0.0, g, 1.0), 0.0)
     zero_col = (mag == 0.0) & mask_n
     has_zero = tl.max(zero_col.to(tl.int32), axis=0) > 0
-    acc_dm = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    acc_db = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    # Tile-shaped accumulators, reduced over tokens once after the loop: a reduction across
+    # the tile's rows in every step would put a cross-warp exchange between the loads.
+    acc_dm = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_db = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     start = pid_m * rows_per_program
     for i in range(0, rows_per_program, BLOCK_M):
         rows = start + i + tl.arange(0, BLOCK_M)
@@ -153,9 +155,9 @@ def _scale_reduce_kernel(
                     DOT_FP32, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_R,
                 )  # fmt: skip
                 sv = tl.where(zero_col[None, :], inner, sv)
-        acc_dm += tl.sum(dy * sv, axis=0)
+        acc_dm += dy * sv
         if HAS_DBIAS:
-            acc_db += tl.sum(dy, axis=0)
+            acc_db += dy
         goff = rows[:, None] * stride_gm + cols[None, :] * stride_gn
         # Saturate instead of overflowing to inf: with a zero row (n clamped to eps) g is huge,
         # and inf · W_ij = inf · 0 would turn dx into NaN in fp16.
@@ -164,9 +166,9 @@ def _scale_reduce_kernel(
         if DROPOUT:
             dyg1 = tl.minimum(tl.maximum(dy * ((mag - nrm) / nrm)[None, :], -OUT_MAX), OUT_MAX)
             tl.store(dyg1_ptr + goff, dyg1.to(dyg1_ptr.dtype.element_ty), mask=mask)
-    tl.store(dm_part_ptr + pid_m * N + cols, acc_dm / nrm, mask=mask_n)
+    tl.store(dm_part_ptr + pid_m * N + cols, tl.sum(acc_dm, axis=0) / nrm, mask=mask_n)
     if HAS_DBIAS:
-        tl.store(db_part_ptr + pid_m * N + cols, acc_db, mask=mask_n)
+        tl.store(db_part_ptr + pid_m * N + cols, tl.sum(acc_db, axis=0), mask=mask_n)
 
 
 _launch_scale_reduce = Launcher(_scale_reduce_kernel)

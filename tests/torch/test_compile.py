@@ -140,3 +140,31 @@ def test_compile_fullgraph_accelerated_peft_layer(train):
         layer(x).square().sum().backward()
         for g, p in zip(grads, [p for p in layer.parameters() if p.requires_grad], strict=True):
             torch.testing.assert_close(g, p.grad)
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.3])
+def test_compiled_backward_accumulates_dx_in_place(dropout):
+    """dx = dy_g W + s·t A: functionalization would turn the in-place ``addmm_`` into an
+    out-of-place ``addmm``, which ATen runs as a copy of the first product plus the GEMM.
+    The compiled backward must call the mutating op instead (Inductor keeps it in place),
+    with the eager gradients."""
+    from torch._dynamo.testing import AotEagerAndRecordGraphs
+
+    torch._dynamo.reset()
+    layer = _layer(lora_dropout=dropout)
+    x = torch.randn(6, 24, requires_grad=True)
+    backend = AotEagerAndRecordGraphs()
+    torch.manual_seed(1)
+    torch.compile(layer, fullgraph=True, backend=backend)(x).square().sum().backward()
+    got = [t.grad.clone() for t in (x, layer.lora_A, layer.lora_B, layer.lora_magnitude_vector)]
+    for t in (x, layer.lora_A, layer.lora_B, layer.lora_magnitude_vector):
+        t.grad = None
+    torch.manual_seed(1)
+    layer(x).square().sum().backward()
+    want = [t.grad for t in (x, layer.lora_A, layer.lora_B, layer.lora_magnitude_vector)]
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+    (bw,) = backend.bw_graphs
+    code = bw.code
+    assert "dora_torch.addmm_into" in code
+    assert "aten.addmm." not in code
