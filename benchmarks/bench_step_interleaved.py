@@ -99,8 +99,14 @@ def measure(rank: int, adapters: str, *, batch: int = 1, rounds: int = 15, layer
             setattr(config, key, value)
         steps.clear()
         bm.free_cuda()
-    rows = []
+    rows, per_round = [], []
     for name, samples in times.items():
+        per_round += [
+            {"variant": name, "adapters": adapters, "rank": rank, "round": i,
+             "step_ms": round(t[0], 2), "fwd_host_ms": round(t[1], 2),
+             "bwd_host_ms": round(t[2], 2)}
+            for i, t in enumerate(samples)
+        ]  # fmt: skip
         row = {"variant": name, "adapters": adapters, "rank": rank, "batch": batch,
                "rounds": rounds}  # fmt: skip
         for i, what in enumerate(("step", "fwd_host", "bwd_host")):
@@ -108,7 +114,7 @@ def measure(rank: int, adapters: str, *, batch: int = 1, rounds: int = 15, layer
             row[f"{what}_min_ms"] = round(min(values), 2)
             row[f"{what}_median_ms"] = round(statistics.median(values), 2)
         rows.append(row)
-    return rows
+    return rows, per_round
 
 
 def run(out_dir: pathlib.Path) -> list[dict]:
@@ -119,11 +125,13 @@ def run(out_dir: pathlib.Path) -> list[dict]:
 def _bench(out_dir, ranks, adapters, *, rounds) -> list[dict]:
     out_dir = pathlib.Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    rows, summary, meta = [], [], bm._meta()
+    rows, rounds_rows, summary, meta = [], [], [], bm._meta()
     for rank in ranks:
         for setting in adapters:
-            got = [{**meta, **row} for row in measure(rank, setting, rounds=rounds)]
+            got, per_round = measure(rank, setting, rounds=rounds)
+            got = [{**meta, **row} for row in got]
             rows += got
+            rounds_rows += per_round
             by = {r["variant"]: r for r in got}
             for r in got:
                 print(
@@ -141,6 +149,7 @@ def _bench(out_dir, ranks, adapters, *, rounds) -> list[dict]:
                 "ok": ratio <= 1.25,
             })  # fmt: skip
     write_csv(out_dir / "step_interleaved.csv", rows, FIELDS)
+    write_csv(out_dir / "step_interleaved_rounds.csv", rounds_rows)  # every sample, in order
     return summary
 
 
