@@ -184,7 +184,7 @@ def _dora_linear(
         save = ops.SAVE_RECOVER  # see ops: when recovering inner from y is sound
     else:
         save = ops.SAVE_INNER
-    opts = ops.LinearOptions(scaling, tier, save)
+    opts = ops.LinearOptions.of(scaling, tier, save)
     w = weight.detach()
     a, b = adapters or (_cast(lora_A, x.dtype), _cast(lora_B, x.dtype))
     if save == ops.SAVE_NONE:  # no autograd bookkeeping at all

@@ -28,6 +28,19 @@ def mm_out(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor
     return torch.mm(a, b).to(dtype)
 
 
+_UNUSED: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def _unused_input(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A 0-d tensor of ``dtype`` on ``device`` for ``addmm``'s ignored input (beta = 0), one
+    per dtype and device, never written: allocating one per call cost host time."""
+    key = (dtype, device)
+    t = _UNUSED.get(key)
+    if t is None:
+        t = _UNUSED[key] = torch.empty((), dtype=dtype, device=device)
+    return t
+
+
 def scaled_mm(a: torch.Tensor, b: torch.Tensor, alpha: float, dtype: torch.dtype) -> torch.Tensor:
     """``alpha · (a @ b)`` returned in ``dtype``: one GEMM, fp32 accumulation, one rounding.
 
@@ -37,7 +50,7 @@ def scaled_mm(a: torch.Tensor, b: torch.Tensor, alpha: float, dtype: torch.dtype
     product, a scaling pass and a cast. Compiled graphs and other dtypes take the unfused
     form (Inductor fuses the scaling there)."""
     if not torch.compiler.is_compiling():
-        unused = torch.empty((), dtype=dtype, device=a.device).expand(a.shape[0], b.shape[1])
+        unused = _unused_input(dtype, a.device).expand(a.shape[0], b.shape[1])
         if dtype == a.dtype:
             return torch.addmm(unused, a, b, beta=0, alpha=alpha)
         if dtype == torch.float32 and a.is_cuda and a.dtype in (torch.bfloat16, torch.float16):

@@ -58,6 +58,23 @@ class LinearOptions:
     impl: str
     save: int
 
+    @staticmethod
+    def of(scaling: float, impl: str, save: int) -> LinearOptions:
+        """The shared instance for these values (a model has a few distinct ones; building a
+        frozen dataclass per layer call cost host time)."""
+        if torch.compiler.is_compiling():  # no global state inside a traced graph
+            return LinearOptions(scaling, impl, save)
+        key = (scaling, impl, save)
+        opts = _OPTIONS.get(key)
+        if opts is None:
+            if len(_OPTIONS) >= 1024:
+                _OPTIONS.clear()
+            opts = _OPTIONS[key] = LinearOptions(scaling, impl, save)
+        return opts
+
+
+_OPTIONS: dict[tuple, LinearOptions] = {}
+
 
 # ------------------------------------------------------------------------------- forward
 def forward_core(x, x_d, weight, a, b, magnitude, norm, bias, opts: LinearOptions):

@@ -99,7 +99,8 @@ def _active_dora_adapter(module, base, x, args, kwargs) -> str | None:
     layer), or None to use PEFT's path."""
     if args or kwargs or module.disable_adapters or module.merged:
         return None
-    active = [a for a in module.active_adapters if a in module.lora_A]
+    lora_A = module.lora_A
+    active = [a for a in module.active_adapters if a in lora_A]
     if len(active) != 1:
         return None
     a = active[0]
@@ -131,13 +132,14 @@ def _accelerated_forward(self, x, *args, **kwargs):
         raise TypeError(f"x must be a torch.Tensor; got {type(x).__name__}")
     base = self.get_base_layer()
     a = _active_dora_adapter(self, base, x, args, kwargs)
+    state = self.__dict__  # plain attributes: skip nn.Module's __setattr__ bookkeeping
     if a is None:
         if not torch.compiler.is_compiling():
-            self.last_impl = "peft"
+            state["last_impl"] = "peft"
         return type(self).forward(self, x, *args, **kwargs)
     drop = self.lora_dropout[a]
     y, tier = module_dora_linear(
-        self._dora_norm_cache,
+        state["_dora_norm_cache"],
         self,
         x,
         base.weight,
@@ -148,10 +150,10 @@ def _accelerated_forward(self, x, *args, **kwargs):
         base.bias,
         dropout_p=drop.p if isinstance(drop, nn.Dropout) else 0.0,
         training=self.training,
-        impl=self._dora_impl,
+        impl=state[IMPL_ATTR],
     )
     if not torch.compiler.is_compiling():
-        self.last_impl = tier
+        state["last_impl"] = tier
     return y
 
 

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from .. import config
-from .common import check_launchable, dot_fp32, dot_precision, unit_stride
+from .common import cdiv, check_launchable, dot_fp32, dot_precision, unit_stride
 from .launch import Launcher
 
 _FINITE_MAX = {dt: torch.finfo(dt).max for dt in (torch.float16, torch.bfloat16, torch.float32)}
@@ -219,13 +219,13 @@ def scale_reduce(
     bm = config.interp_small(cfg.block_m)
     bn = config.interp_small(cfg.block_n, 32)
     if M * N <= config.BWD_SINGLE_PASS_ELEMENTS:
-        rpp = triton.cdiv(M, bm) * bm  # one token chunk: no partial sums to add up
+        rpp = cdiv(M, bm) * bm  # one token chunk: no partial sums to add up
     else:
         rpp = max(bm, config.interp_small(cfg.rows_per_program, 64))
-    parts = triton.cdiv(M, rpp)
+    parts = cdiv(M, rpp)
     dm_part = torch.empty((parts, N), dtype=torch.float32, device=dy.device)
     db_part = torch.empty_like(dm_part) if need_dbias else dm_part
-    grid = (parts, triton.cdiv(N, bn))
+    grid = (parts, cdiv(N, bn))
     _launch_scale_reduce(
         grid,
         dy,

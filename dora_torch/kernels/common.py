@@ -7,6 +7,17 @@ import torch
 from .. import config
 
 
+def cdiv(a: int, b: int) -> int:
+    """⌈a / b⌉ for launch grids. Plain integer arithmetic: ``triton.cdiv`` became a
+    ``constexpr_function`` (a few µs of host time per call, several calls per layer)."""
+    return -(-a // b)
+
+
+def next_pow2(n: int) -> int:
+    """The smallest power of two ≥ n (1 for n ≤ 1), like ``triton.next_power_of_2``."""
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
 def dot_fp32(dtype: torch.dtype) -> bool:
     """Whether kernels must feed tl.dot fp32 operands: under the interpreter bf16/fp16
     arithmetic is wrong (docs/design.md §7), so operands are upcast right after loading."""

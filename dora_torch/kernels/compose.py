@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from .. import config
-from .common import check_launchable, dot_fp32, dot_precision, unit_stride
+from .common import cdiv, check_launchable, dot_fp32, dot_precision, next_pow2, unit_stride
 from .launch import Launcher
 
 
@@ -302,9 +302,9 @@ def compose_forward(
         "STORE_INNER": store_inner,
     }
     if use_epilogue:
-        block_k = max(16, min(config.LORA_GEMM_BLOCK_K, triton.next_power_of_2(K)))
+        block_k = max(16, min(config.LORA_GEMM_BLOCK_K, next_pow2(K)))
         cfg = gemm_config or config.lora_gemm_config(M, N)
-        grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n),)
+        grid = (cdiv(M, cfg.block_m) * cdiv(N, cfg.block_n),)
         _launch_lora_gemm_compose(
             grid,
             h,
@@ -378,7 +378,7 @@ def compose_elementwise(
         raise ValueError("base and base_d must have the same strides")
     bm = config.interp_small(config.COMPOSE_BLOCK_M)
     bn = config.interp_small(config.COMPOSE_BLOCK_N, 32)
-    grid = (triton.cdiv(M, bm), triton.cdiv(N, bn))
+    grid = (cdiv(M, bm), cdiv(N, bn))
     _launch_compose(
         grid,
         lora,

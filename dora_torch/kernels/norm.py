@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from .. import config
-from .common import check_launchable, unit_stride
+from .common import cdiv, check_launchable, next_pow2, unit_stride
 from .launch import Launcher
 
 
@@ -120,9 +120,9 @@ def assemble_norm(
     wide = R >= config.NORM_WIDE_RANK
     bm, br, warps = config.NORM_KERNEL_BLOCKS_WIDE if wide else config.NORM_KERNEL_BLOCKS
     bm = config.interp_small(bm)
-    br = max(16, min(br, triton.next_power_of_2(R)))
+    br = max(16, min(br, next_pow2(R)))
     _launch_norm_assemble(
-        (triton.cdiv(N, bm),),
+        (cdiv(N, bm),),
         base_sq,
         U,
         lora_B,
@@ -191,9 +191,9 @@ def _assemble_by_gemm(base_sq, U, lora_B, G, scaling, out):
     U = U.contiguous()
     BG = torch.mm(lora_B.float(), G.float())
     bm = config.interp_small(config.NORM_ROWS_BLOCK_M)
-    br = max(16, min(config.NORM_ROWS_BLOCK_R, triton.next_power_of_2(R)))
+    br = max(16, min(config.NORM_ROWS_BLOCK_R, next_pow2(R)))
     _launch_norm_rows(
-        (triton.cdiv(N, bm),),
+        (cdiv(N, bm),),
         base_sq,
         U,
         BG,

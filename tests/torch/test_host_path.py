@@ -137,3 +137,25 @@ def test_fast_launch_matches_triton_launch_on_gpu(monkeypatch, offset):
     assert before[1] == layer._dora_norm_cache.norm_computations
     for g, w in zip([got[0], got[1], *got[2]], [want[0], want[1], *want[2]], strict=True):
         assert torch.equal(g, w)
+
+
+def test_grid_helpers_match_tritons():
+    """The launchers' plain-int ceil-division and next power of two (``triton.cdiv`` and
+    ``triton.next_power_of_2`` cost host time per call in recent Triton)."""
+    triton = pytest.importorskip("triton")
+    from dora_torch.kernels.common import cdiv, next_pow2
+
+    for a in range(0, 300):
+        for b in (1, 2, 3, 16, 32, 64, 128, 257):
+            assert cdiv(a, b) == triton.cdiv(a, b)
+    for n in range(1, 5000):
+        assert next_pow2(n) == triton.next_power_of_2(n)
+
+
+def test_linear_options_are_shared_per_value():
+    from dora_torch.ops import LinearOptions
+
+    a = LinearOptions.of(2.0, "fused", 2)
+    assert a is LinearOptions.of(2.0, "fused", 2)
+    assert a == LinearOptions(2.0, "fused", 2)
+    assert LinearOptions.of(2.0, "eager", 2) is not a
