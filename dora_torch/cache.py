@@ -243,6 +243,8 @@ def refresh_norm_buffer(module: torch.nn.Module) -> None:
 
 def _is_sharded(t: torch.Tensor) -> bool:
     """A DTensor: a parameter FSDP2 or tensor parallelism holds sharded between forwards."""
+    if type(t) is torch.nn.Parameter or type(t) is torch.Tensor:
+        return False  # the common case, asked per layer per update: skip the import below
     if not torch.distributed.is_available():
         return False
     from torch.distributed.tensor import DTensor

@@ -100,6 +100,13 @@ def test_compiled_eval_after_load_state_dict_and_clear_caches():
         assert not torch.allclose(compiled(x), uncached_output(layer, x))
         dora_torch.clear_caches(layer)
         torch.testing.assert_close(compiled(x), uncached_output(layer, x))
+        # Dynamo burns version counters in as constants: an ordinary in-place write (which
+        # eager calls do see) is invisible to a compiled eval graph too, until an eager call
+        # or clear_caches refreshes the buffer (docs/design.md §8, rule 5).
+        layer.lora_B.mul_(1.5)
+        assert not torch.allclose(compiled(x), uncached_output(layer, x))
+        torch.testing.assert_close(layer(x), uncached_output(layer, x))  # eager: refreshed
+        torch.testing.assert_close(compiled(x), uncached_output(layer, x))
 
 
 @pytest.mark.parametrize("train", [False, True])
