@@ -35,7 +35,10 @@ import time
 for _var in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"):
     os.environ.setdefault(_var, "0" if _var == "NCCL_NVLS_ENABLE" else "1")
 
-PROVIDERS = ("peft_lora", "peft_dora", "ours")
+#: ``ours_local_norms``: ours with ``config.FSDP_LOCAL_NORMS`` on (every layer's norm from the
+#: local shards at each root forward, ``dora_torch/fsdp_norms.py``) instead of each layer's
+#: norm from its all-gathered W inside its forward.
+PROVIDERS = ("peft_lora", "peft_dora", "ours", "ours_local_norms")
 FIELDS = ["date", "commit", "gpu", "world", "provider", "adapters", "rank", "batch_per_gpu",
           "seq", "step_ms", "tokens_per_s", "peak_gib_per_gpu", "loss_first", "loss_last",
           "error"]  # fmt: skip
@@ -69,14 +72,22 @@ def _sharded(base, provider: str, rank: int, adapters: str, param_dtype):
     config = peft.LoraConfig(r=rank, lora_alpha=2 * rank, use_dora=provider != "peft_lora",
                              lora_dropout=0.0, target_modules=list(bm.TARGET_MODULES))  # fmt: skip
     model = peft.get_peft_model(base, config, autocast_adapter_dtype=adapters == "fp32")
-    if provider == "ours":
+    ours = provider.startswith("ours")
+    if ours:
         dora_torch.accelerate_peft(model)
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     for layer in model.base_model.model.model.layers:
         fully_shard(layer, mp_policy=policy)
     fully_shard(model, mp_policy=policy)
-    if provider == "ours":
-        prepare_fsdp(model, param_dtype=param_dtype)
+    if ours:
+        from dora_torch import config as dora_config
+
+        default = dora_config.FSDP_LOCAL_NORMS
+        dora_config.FSDP_LOCAL_NORMS = provider == "ours_local_norms"  # read by prepare_fsdp
+        try:
+            prepare_fsdp(model, param_dtype=param_dtype)
+        finally:
+            dora_config.FSDP_LOCAL_NORMS = default
     return model
 
 

@@ -168,3 +168,11 @@ NORM_ROWS_WARPS = 4
 def interp_small(block: int, small: int = 16) -> int:
     """Shrink a block under the interpreter (each program is Python-slow, big tiles cost RAM)."""
     return min(block, small) if interpreting() else block
+
+
+# ---- FSDP2 (distributed.prepare_fsdp, fsdp_norms.py) ------------------------------------------
+#: Compute every prepared layer's norm at each root forward from the local shards (two
+#: collectives for the whole model) instead of from each layer's all-gathered W inside its
+#: forward. Read by ``prepare_fsdp`` (call it again after changing this). Off until it is
+#: measured on GPUs (``benchmarks/fsdp_torch.py``'s ``ours_local_norms``); tested on CPU.
+FSDP_LOCAL_NORMS = False

@@ -72,7 +72,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from . import cache
+from . import cache, config, fsdp_norms
 from . import norm as _norm
 from .dispatch import resolve_impl
 from .functional import dora_linear
@@ -104,16 +104,42 @@ class _ParamStamp:
 
 @dataclass
 class _Sharded:
-    """What ``prepare_fsdp`` keeps on a module: stamps of its sharded W, A, B and ‖W_i‖² per
-    dtype of the W its forward sees."""
+    """What ``prepare_fsdp`` keeps on a module: stamps of its sharded W, A, B, ‖W_i‖² per
+    dtype of the W its forward sees (whole, and of this rank's rows), and the norm
+    ``fsdp_norms.LocalNorms`` computed for it."""
 
     weight: _ParamStamp
     adapters: tuple[_ParamStamp, ...]
     base_sq: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)
+    local_sq: dict[torch.dtype, tuple[int, torch.Tensor]] = field(default_factory=dict)
+    local_norm: tuple | None = None  # written by LocalNorms.compute
     hits: int = 0  # forwards that reused ‖W‖² (for tests and logs)
+    local_hits: int = 0  # forwards that read the norm LocalNorms computed
+
+    def sharded(self) -> tuple:
+        return (self.weight.ref(), *(s.ref() for s in self.adapters))
+
+    def versions(self) -> tuple | None:
+        """(identity, version) of the sharded W, A, B as they are now."""
+        found = self.sharded()
+        if any(t is None for t in found):
+            return None
+        return tuple((id(t), t._version) for t in found)
+
+    def local_base_sq(self, w_local: torch.Tensor) -> torch.Tensor:
+        """‖W_i‖² of this rank's rows, ``w_local`` its local shard in the forward's dtype;
+        recomputed once after a write to the sharded W."""
+        W = self.weight.ref()
+        version = None if W is None else (id(W), W._version)
+        kept = self.local_sq.get(w_local.dtype)
+        if kept is None or kept[0] != version or kept[1].shape[0] != w_local.shape[0]:
+            kept = (version, _norm.base_sq_norm(w_local))
+            self.local_sq[w_local.dtype] = kept
+        return kept[1]
 
 
 _STATE, _HOOK, _ANY = "_dora_fsdp", "_dora_fsdp_hook", "_dora_tensors_any"
+_GROUP, _ROOT_HOOK = "_dora_fsdp_norms", "_dora_fsdp_root_hook"
 
 
 def _tensors(module: nn.Module):
@@ -145,17 +171,18 @@ def _vector_placement(p, name: str):
 
 
 @torch.no_grad()
-def _gathered_base_sq(weight: torch.Tensor, dtype: torch.dtype, name: str) -> torch.Tensor:
-    """‖W_i‖² [d_out] of ``weight`` rounded to ``dtype``, from this rank's shard + one gather."""
+def _gathered_base_sq(weight: torch.Tensor, dtype: torch.dtype, name: str):
+    """‖W_i‖² [d_out] of ``weight`` rounded to ``dtype``, from this rank's shard + one gather;
+    and that of this rank's rows (None when ``weight`` is not sharded)."""
     if not isinstance(weight, DTensor):
-        return _norm.base_sq_norm(weight.to(dtype))
+        return _norm.base_sq_norm(weight.to(dtype)), None
     part = _norm.base_sq_norm(weight.to_local().to(dtype))
     placements = [_vector_placement(p, name) for p in weight.placements]
     shape, stride = (weight.shape[0],), (1,)
     full = DTensor.from_local(
         part, weight.device_mesh, placements, run_check=False, shape=shape, stride=stride
     )
-    return full.full_tensor()
+    return full.full_tensor(), part
 
 
 def prepare_fsdp(model: nn.Module, *, param_dtype: torch.dtype | None = None) -> int:
@@ -172,7 +199,7 @@ def prepare_fsdp(model: nn.Module, *, param_dtype: torch.dtype | None = None) ->
     sharded Parameters (``load_state_dict(assign=True)``). Returns the number of modules.
     """
     _reshard(model)  # the modules hold their sharded (persistent) parameters now
-    count = 0
+    count, members = 0, []
     for name, module in model.named_modules():
         norm_cache = cache.module_cache(module)
         if norm_cache is None:
@@ -193,19 +220,41 @@ def prepare_fsdp(model: nn.Module, *, param_dtype: torch.dtype | None = None) ->
         weight, lora_A, lora_B = found[:3]
         dtype = param_dtype or weight.dtype
         state = _Sharded(_ParamStamp(weight), (_ParamStamp(lora_A), _ParamStamp(lora_B)))
-        state.base_sq[dtype] = _gathered_base_sq(weight, dtype, name)
+        state.base_sq[dtype], part = _gathered_base_sq(weight, dtype, name)
+        if part is not None:
+            state.local_sq[dtype] = ((id(weight), weight._version), part)
         old = module.__dict__.pop(_HOOK, None)
         if old is not None:
             old.remove()
         module.__dict__[_STATE] = state
         module.__dict__[_HOOK] = module.register_forward_pre_hook(_before_forward)
+        members.append((module, state))
         count += 1
+    old = model.__dict__.pop(_ROOT_HOOK, None)
+    if old is not None:
+        old.remove()
+    model.__dict__.pop(_GROUP, None)
+    if members and config.FSDP_LOCAL_NORMS:
+        model.__dict__[_GROUP] = fsdp_norms.LocalNorms(members, _tensors, param_dtype)
+        model.__dict__[_ROOT_HOOK] = model.register_forward_pre_hook(_before_root_forward)
     return count
+
+
+def _before_root_forward(model: nn.Module, _args) -> None:
+    """Forward pre-hook of the model ``prepare_fsdp`` was given: every layer's norm from the
+    local shards, on every rank (``fsdp_norms``)."""
+    if torch.compiler.is_compiling():
+        return
+    group = model.__dict__.get(_GROUP)
+    if group is not None:
+        group.compute()
 
 
 def _before_forward(module: nn.Module, _args) -> None:
     """Forward pre-hook (runs after FSDP2's, which unshards): drop what a write to the sharded
-    parameters made stale, then feed the module's cache the kept ‖W‖²."""
+    parameters made stale, then feed the module's cache the norm ``fsdp_norms.LocalNorms``
+    computed at this root forward, or else the kept ‖W‖² (the forward then computes the
+    norm from the unsharded tensors)."""
     if torch.compiler.is_compiling():
         return  # compiled graphs compute the norm themselves (docs/design.md §8)
     state: _Sharded | None = module.__dict__.get(_STATE)
@@ -224,6 +273,9 @@ def _before_forward(module: nn.Module, _args) -> None:
             if target is None:
                 return
             state.weight = _ParamStamp(target)
+    if _args and fsdp_norms.install(module, state, _args[0]):
+        state.local_hits += 1
+        return
     value = state.base_sq.get(weight.dtype)
     if value is None or value.shape[0] != weight.shape[0]:
         state.base_sq[weight.dtype] = norm_cache.base_sq(weight)  # once, from the unsharded W

@@ -162,7 +162,9 @@ def _shard(model, layers, **kw):
 
 
 def _scenario_fsdp(rank, counter, ctx):
-    """FSDP2 over dora_torch.Linear layers, with and without prepare_fsdp, vs one process."""
+    """FSDP2 over dora_torch.Linear layers, with and without prepare_fsdp (its norms from the
+    local shards at each root forward, and layer by layer), vs one process."""
+    from dora_torch import config
     from dora_torch.distributed import prepare_fsdp
 
     x, y = _data()
@@ -179,13 +181,45 @@ def _scenario_fsdp(rank, counter, ctx):
     prepared = _dora_mlp()
     _shard(prepared, [prepared[0], prepared[2]])
     before = counter.calls
-    out["prepared_layers"] = prepare_fsdp(prepared)
+    out["prepared_layers"] = prepare_fsdp(prepared)  # config.FSDP_LOCAL_NORMS on (_worker)
     out["prepared_setup_calls"] = counter.calls - before
     before = counter.calls
     out["prepared"] = _train(prepared, xs, ys, world=WORLD)
     out["prepared_base_sq_calls"] = counter.calls - before
-    out["prepared_hits"] = [prepared[i]._dora_fsdp.hits for i in (0, 2)]
+    out["prepared_hits"] = [prepared[i]._dora_fsdp.local_hits for i in (0, 2)]
+    out["prepared_group_runs"] = prepared._dora_fsdp_norms.computations
     ctx["fsdp_model"] = prepared
+
+    # One output row and rank 1 (r = 1): rank 1 holds no row of W, B or A.
+    def narrow():
+        import dora_torch
+
+        torch.manual_seed(3)
+        model = nn.Sequential(dora_torch.Linear(16, 1, r=1, lora_alpha=2))
+        _randomize_b(model)
+        return model
+
+    if rank == 0:
+        out["narrow_ref"] = _train(narrow(), x, y[:, :1])
+    model = narrow()
+    _shard(model, [model[0]])
+    prepare_fsdp(model)
+    out["narrow"] = _train(model, xs, ys[:, :1], world=WORLD)
+    out["narrow_hits"] = model[0]._dora_fsdp.local_hits
+
+    # The same with the norms computed layer by layer inside each forward (config switch).
+    config.FSDP_LOCAL_NORMS = False
+    try:
+        layered = _dora_mlp()
+        _shard(layered, [layered[0], layered[2]])
+        prepare_fsdp(layered)
+        before = counter.calls
+        out["layered"] = _train(layered, xs, ys, world=WORLD)
+        out["layered_base_sq_calls"] = counter.calls - before
+        out["layered_hits"] = [layered[i]._dora_fsdp.hits for i in (0, 2)]
+        out["layered_local_hits"] = [layered[i]._dora_fsdp.local_hits for i in (0, 2)]
+    finally:
+        config.FSDP_LOCAL_NORMS = True
     return out
 
 
@@ -540,6 +574,17 @@ def _scenario_tp_errors(rank):
     return {"tp_errors": errors}
 
 
+def _default_norms(scenario, *args):
+    """``scenario`` with ``config.FSDP_LOCAL_NORMS`` at its default (off)."""
+    from dora_torch import config
+
+    config.FSDP_LOCAL_NORMS = False
+    try:
+        return scenario(*args)
+    finally:
+        config.FSDP_LOCAL_NORMS = True
+
+
 def _worker(rank: int, world: int, port: int, outdir: str) -> None:
     import torch.distributed as dist
 
@@ -548,6 +593,12 @@ def _worker(rank: int, world: int, port: int, outdir: str) -> None:
     dist.init_process_group(
         "gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60)
     )
+    from dora_torch import config
+
+    # prepare_fsdp's norms from the local shards (fsdp_norms) in every FSDP2 scenario but
+    # the two marked, which keep the default (each layer's norm inside its forward), as
+    # does the "layered" run of _scenario_fsdp.
+    config.FSDP_LOCAL_NORMS = True
     counter, tmp, ctx = _Counter(), Path(outdir), {}
     scenarios = [
         ("fsdp", lambda: _scenario_fsdp(rank, counter, ctx)),
@@ -555,8 +606,8 @@ def _worker(rank: int, world: int, port: int, outdir: str) -> None:
         ("fsdp_stale", lambda: _scenario_fsdp_stale(rank, counter, ctx["fsdp_model"])),
         ("checkpoint", lambda: _scenario_checkpoint(rank, counter)),
         ("mixed", lambda: _scenario_mixed(rank, counter)),
-        ("eval", lambda: _scenario_eval(rank)),
-        ("reused_storage", lambda: _scenario_reused_storage(rank)),
+        ("eval", lambda: _default_norms(_scenario_eval, rank)),
+        ("reused_storage", lambda: _default_norms(_scenario_reused_storage, rank)),
         ("tp", lambda: _scenario_tp(rank, counter, tmp)),
         ("tp_errors", lambda: _scenario_tp_errors(rank)),
     ]
@@ -635,11 +686,19 @@ def _close(got, want, **tol):
 
 
 # ------------------------------------------------------------------------------------ FSDP2
-@pytest.mark.parametrize("variant", ["plain", "prepared"])
+@pytest.mark.parametrize("variant", ["plain", "prepared", "layered"])
 def test_fsdp2_matches_one_process(results, variant):
     """Losses, first-step adapter gradients and trained adapters of 2 ranks = 1 process."""
     _close(_get(results, variant), _get(results, "ref"))
     _close(_get(results, variant, rank=1), _get(results, "ref"))
+
+
+def test_local_norms_with_ranks_that_hold_no_rows(results):
+    """d_out = 1, r = 1 on 2 ranks: FSDP2 gives rank 1 empty shards of W, B and A."""
+    _close(_get(results, "narrow"), _get(results, "narrow_ref"))
+    _close(_get(results, "narrow", rank=1), _get(results, "narrow_ref"))
+    for rank in range(WORLD):
+        assert _get(results, "narrow_hits", rank) == STEPS
 
 
 def test_fsdp2_recomputes_base_sq_every_step_without_prepare_fsdp(results):
@@ -649,11 +708,18 @@ def test_fsdp2_recomputes_base_sq_every_step_without_prepare_fsdp(results):
 
 
 def test_prepare_fsdp_computes_base_sq_once_from_local_shards(results):
+    """‖W‖² once per layer from the local rows; every forward reads the norm computed from
+    the local shards at its root forward (fsdp_norms), none computes it from the gathered W;
+    with config.FSDP_LOCAL_NORMS off every forward reuses the kept ‖W‖² instead."""
     for rank in range(WORLD):
         assert _get(results, "prepared_layers", rank) == 2
         assert _get(results, "prepared_setup_calls", rank) == 2  # one local shard per layer
         assert _get(results, "prepared_base_sq_calls", rank) == 0
         assert _get(results, "prepared_hits", rank) == [STEPS, STEPS]
+        assert _get(results, "prepared_group_runs", rank) == STEPS
+        assert _get(results, "layered_base_sq_calls", rank) == 0
+        assert _get(results, "layered_hits", rank) == [STEPS, STEPS]
+        assert _get(results, "layered_local_hits", rank) == [0, 0]
 
 
 def test_writes_to_sharded_weights_reach_the_norm(results):

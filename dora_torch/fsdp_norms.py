@@ -1,0 +1,168 @@
+"""Every FSDP2-prepared DoRA layer's norm at once, from each rank's own rows (design §11).
+
+FSDP2 shards W [d_out, d_in], B [d_out, r] and m [d_out] by rows with the same chunks, so the
+rows a rank holds of W and B are the rows of the norm it can compute alone:
+
+    n_i² = ‖W_i‖² + 2s·Σ_j B_ij (W_i Aᵀ)_j + s²·Σ_jk B_ij (A Aᵀ)_jk B_ik      (i: local rows)
+
+needs all of A (r rows, sharded too) and nothing else from other ranks. ``LocalNorms`` does
+that for all layers of a model at the start of every root forward (a forward pre-hook on the
+model ``prepare_fsdp`` was given):
+
+  1. one ``all_gather_into_tensor`` of every layer's local A rows (r·d_in per layer);
+  2. per layer, the norm of the local rows (``norm.detached_norm`` on the local shards, cast
+     to the dtype the forward computes in, with ‖W_i‖² that ``prepare_fsdp`` kept);
+  3. one ``all_gather_into_tensor`` of every layer's local norm rows, so each layer has its
+     whole [d_out] norm before its own all-gather even starts.
+
+Each layer's forward pre-hook then installs its norm in the layer's cache for the unsharded
+tensors of that forward, so the forward reads it instead of computing U = W Aᵀ from the
+all-gathered W, layer by layer. No W is gathered for it, and each rank computes 1/world of
+the rows.
+
+Ranks never disagree about running the collectives: every rank runs every root forward, and
+the computation runs at each one unconditionally (micro-batches of one optimizer step pay for
+it each time, as the per-layer path under FSDP2 did). A layer uses the result only while it
+is current: the optimizer-step count and the versions of its sharded W, A and B are those
+the result was computed from; otherwise (a write since the root forward, or a forward that
+did not come through the root module) the layer computes its norm itself, as before.
+Layers whose parameters are not sharded on one 1-D mesh by rows (HSDP, other placements),
+or whose compute dtype differs from the first layer's, are left to the per-layer path.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Shard
+
+from . import cache, norm
+from .dispatch import FUSED_DTYPES, resolve_impl
+from .matmul import compute_dtype
+
+
+def _row_sharded(t, mesh) -> bool:
+    return (
+        isinstance(t, DTensor)
+        and t.device_mesh == mesh
+        and mesh.ndim == 1
+        and tuple(t.placements) == (Shard(0),)
+    )
+
+
+def _padded_rows(local: torch.Tensor, rows: int) -> torch.Tensor:
+    """``local`` [k, ...] with zero rows appended up to ``rows`` (FSDP2's chunks are
+    ⌈n / world⌉ rows; the last ranks may hold fewer, or none)."""
+    if local.shape[0] == rows:
+        return local
+    pad = local.new_zeros((rows - local.shape[0], *local.shape[1:]))
+    return torch.cat([local, pad])
+
+
+def _all_gather(mine: torch.Tensor, world: int, group) -> torch.Tensor:
+    """[world, n]: every rank's 1-D ``mine`` (same n on every rank), one collective."""
+    flat = mine.new_empty(world * mine.numel())
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(flat, mine, group=group)
+    return flat.view(world, -1)
+
+
+class LocalNorms:
+    """The norms of a model's prepared layers, computed together at each root forward."""
+
+    def __init__(self, members, tensors_of, param_dtype: torch.dtype | None) -> None:
+        """``members``: (module, state) pairs, ``state`` the module's ``prepare_fsdp`` record
+        (``local_base_sq``, ``versions``, and ``local_norm``, which this writes);
+        ``tensors_of(module)``: its (W, A, B, s, impl) as they are at rest (sharded)."""
+        self._members = [(weakref.ref(m), s) for m, s in members]
+        self._tensors_of = tensors_of
+        self.param_dtype = param_dtype
+        self.computations = 0  # root forwards that computed the norms (tests and logs)
+
+    def compute(self) -> None:
+        """Steps 1-3 of the module doc; every rank must call it at the same point."""
+        members = []
+        for ref, state in self._members:
+            module = ref()
+            found = None if module is None else self._tensors_of(module)
+            state.local_norm = None
+            if found is not None:
+                members.append((state, found))
+        if not members:
+            return
+        mesh = members[0][1][0].device_mesh
+        dtype = self.param_dtype or members[0][1][0].dtype
+        chosen = []
+        for state, (W, A, B, s, impl) in members:
+            if (
+                all(_row_sharded(t, mesh) for t in (W, A, B))
+                and (self.param_dtype or W.dtype) == dtype
+            ):
+                chosen.append((state, W, A, B, s, impl))
+        if not chosen:
+            return
+        group, world = mesh.get_group(), mesh.size()
+        # 1. all of every layer's A, in one collective.
+        chunks = [-(-A.shape[0] // world) for _, _, A, *_ in chosen]
+        local_a = [
+            _padded_rows(A.to_local().detach().to(dtype), c).reshape(-1)
+            for (_, _, A, *_), c in zip(chosen, chunks, strict=True)
+        ]
+        sizes = [t.numel() for t in local_a]
+        every = _all_gather(torch.cat(local_a), world, group)
+        # 2. the norm of this rank's rows of each layer.
+        local_n, out_chunks, start = [], [], 0
+        for (state, W, A, B, s, impl), c, size in zip(chosen, chunks, sizes, strict=True):
+            d_in = A.shape[1]
+            a_full = every[:, start : start + size].reshape(world * c, d_in)[: A.shape[0]]
+            start += size
+            w_loc = W.to_local().detach().to(dtype)
+            b_loc = B.to_local().detach().to(dtype)
+            base_sq = state.local_base_sq(w_loc)
+            if w_loc.shape[0] == 0:  # a rank past the last chunk (FSDP2 pads, d_out < world)
+                n = base_sq.new_empty(0)
+            else:
+                fused = impl != "eager" and w_loc.is_cuda and dtype in FUSED_DTYPES
+                n = norm.detached_norm(w_loc, a_full, b_loc, base_sq, s, fused)
+            rows = -(-W.shape[0] // world)
+            out_chunks.append(rows)
+            local_n.append(_padded_rows(n, rows))
+        # 3. every layer's whole norm, in one collective.
+        every = _all_gather(torch.cat(local_n), world, group)
+        start = 0
+        steps = cache.optimizer_steps()
+        for (state, W, *_), rows in zip(chosen, out_chunks, strict=True):
+            full = every[:, start : start + rows].reshape(-1)[: W.shape[0]]
+            start += rows
+            state.local_norm = (full, dtype, steps, state.versions())
+        self.computations += 1
+
+
+def install(module, state, x) -> bool:
+    """Hand ``module``'s cache the norm ``LocalNorms`` computed, for the unsharded tensors of
+    this forward (a forward pre-hook after FSDP2's unshard). False when there is none that is
+    current for this call."""
+    entry = getattr(state, "local_norm", None)
+    if entry is None or not isinstance(x, torch.Tensor) or torch.is_autocast_enabled(x.device.type):
+        return False
+    n, dtype, steps, versions = entry
+    found = module._dora_tensors(module)
+    norm_cache = cache.module_cache(module)
+    if found is None or norm_cache is None:
+        return False
+    weight, lora_A, lora_B, scaling, impl = found
+    if (
+        steps != cache.optimizer_steps()
+        or versions != state.versions()
+        or weight.dtype != dtype
+        or n.dtype != compute_dtype(weight.dtype)
+        or n.shape[0] != weight.shape[0]
+    ):
+        return False
+    tier = resolve_impl(impl, x, weight.shape[0])
+    a = lora_A.detach() if lora_A.dtype == x.dtype else lora_A.detach().to(x.dtype)
+    b = lora_B.detach() if lora_B.dtype == x.dtype else lora_B.detach().to(x.dtype)
+    norm_cache.install(weight, lora_A, lora_B, scaling, tier, x.dtype, (n, a, b))
+    return True
