@@ -11,7 +11,9 @@ tensors. Three things go wrong around the per-module caches (docs/design.md §8)
    rows each rank holds (FSDP2 shards W by rows, dim 0, so a row's squared norm is local),
    gathers the [d_out] vector, and a forward pre-hook (it runs after FSDP2's, which
    unshards) hands it to the module's cache for the W of every forward
-   (``NormCache.set_base_sq``).
+   (``NormCache.set_base_sq``). With ``config.FSDP_LOCAL_NORMS`` on, the layers' norms
+   themselves come from the local shards, all layers at once at each root forward
+   (``dora_torch/fsdp_norms.py``), and no forward computes U = W Aᵀ from its gathered W.
 2. Writes to the sharded parameters without an optimizer step (``load_state_dict``,
    ``set_model_state_dict``, ``copy_``) are invisible to the stamps of the unsharded tensors
    whenever the allocator hands the all-gather the same storage again (FSDP2 preserves their
@@ -196,7 +198,10 @@ def prepare_fsdp(model: nn.Module, *, param_dtype: torch.dtype | None = None) ->
     that sees another dtype computes ‖W‖² once from its unsharded W and keeps it. Covers
     ``dora_torch.Linear`` and PEFT layers under ``accelerate_peft``; harmless on modules
     FSDP2 does not shard. Calling it again replaces the hooks; call it again after replacing
-    sharded Parameters (``load_state_dict(assign=True)``). Returns the number of modules.
+    sharded Parameters (``load_state_dict(assign=True)``). With ``config.FSDP_LOCAL_NORMS``
+    it also gives ``model`` a forward pre-hook that computes every layer's norm from the
+    local shards with two collectives (``dora_torch/fsdp_norms.py``): every rank calls
+    ``model``, as FSDP2 requires anyway. Returns the number of modules.
     """
     _reshard(model)  # the modules hold their sharded (persistent) parameters now
     count, members = 0, []
