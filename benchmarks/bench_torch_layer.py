@@ -9,9 +9,16 @@ Providers (same run, same inputs):
   peft_dora_bf16  PEFT DoRA, autocast_adapter_dtype=False (bf16 adapters)
   peft_lora_bf16  PEFT LoRA, bf16 adapters
   lora_eq         cuBLAS bf16 ``addmm(x Wᵀ, x Aᵀ, Bᵀ)`` — the LoRA cost floor
-  *_graphed       ours_bf16 and lora_eq inference replayed from a CUDA graph (input copied
-                  into the graph's static buffer each call): host overhead removed, as under
-                  ``torch.compile(mode="reduce-overhead")``; small (host-bound) shape only
+  *_graphed       ours_bf16 and lora_eq replayed from a CUDA graph (input copied into the
+                  graph's static buffer each call): host overhead removed, as under
+                  ``torch.compile(mode="reduce-overhead")``; small (host-bound) shapes only.
+                  fwd_bwd captures forward and backward, ours with its norm computed inside
+                  the graph (the cache is cleared before capture), so every replay
+                  recomputes it as a training step would
+
+Environment: ``TORCH_LAYER_SHAPES`` (e.g. ``4096x4096_r16_t512``, comma-separated) and
+``TORCH_LAYER_PROVIDERS`` restrict the layer rows; ``TORCH_LAYER_SWEEPS=0`` skips the kernel
+sweeps and the bandwidth / norm-transient extras after them.
 
 Modes: ``inference`` (no grad, eval; ours reuses its cached norm — weights unchanged) and
 ``fwd_bwd`` (y.backward(dy); ours' norm is invalidated before every call, i.e. the worst case
@@ -35,6 +42,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import os
 import pathlib
 import traceback
 
@@ -50,6 +58,7 @@ SHAPES = [  # (d_in, d_out, r, tokens)
     (8192, 8192, 384, 4096),
     (8192, 28672, 384, 2048),
     (4096, 4096, 384, 512),
+    (4096, 4096, 16, 512),
 ]
 PROVIDERS = [
     "ours",
@@ -62,7 +71,7 @@ PROVIDERS = [
     "ours_bf16_graphed",
     "lora_eq_graphed",
 ]
-GRAPHED_SHAPES = [(4096, 4096, 384, 512)]  # inference only
+GRAPHED_SHAPES = [(4096, 4096, 384, 512), (4096, 4096, 16, 512)]
 HEADLINE = (8192, 8192, 384, 4096)
 DT = torch.bfloat16
 ROTATE = 3
@@ -140,7 +149,9 @@ def _measure(provider, d_in, d_out, r, T, mode):
         fn.train(train)
     # fwd+bwd includes dx for every provider (a layer inside a network needs it).
     xs = [torch.randn(T, d_in, device="cuda", dtype=DT, requires_grad=train) for _ in range(ROTATE)]
-    if graphed:
+    if graphed and train:
+        fn = _graphed_train(fn, params, ours, xs[0], torch.randn(T, d_out, device="cuda", dtype=DT))
+    elif graphed:
         fn = _graphed(fn, xs[0])
     dy = torch.randn(T, d_out, device="cuda", dtype=DT)
     state = {"i": 0}
@@ -150,7 +161,9 @@ def _measure(provider, d_in, d_out, r, T, mode):
     def step():
         x = xs[state["i"] % ROTATE]
         state["i"] += 1
-        if train:
+        if train and graphed:
+            fn(x)  # forward and backward replayed (the norm recomputed inside)
+        elif train:
             if ours is not None:  # an optimizer step changed A: the norm must be recomputed
                 torch.autograd.graph.increment_version(ours.lora_A)
             fn(x).backward(dy)
@@ -175,6 +188,35 @@ def _measure(provider, d_in, d_out, r, T, mode):
     finally:
         config.COMPOSE_IN_GEMM_EPILOGUE = epilogue_before
     return {"ms": ms, "peak_extra_mib": peak, "impl": getattr(ours, "last_impl", "")}
+
+
+def _graphed_train(fn, params, ours, example, dy):
+    """fn's forward + backward (dy) captured in one CUDA graph; the returned callable copies
+    its input into the static buffer and replays (gradients land in static .grad buffers).
+    For ours the norm cache is cleared right before capture, so the capture computes the norm
+    and every replay recomputes it from the adapters' current values."""
+    import dora_torch
+
+    static_x = example.detach().clone().requires_grad_(example.requires_grad)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn(static_x).backward(dy)
+    torch.cuda.current_stream().wait_stream(side)
+    for p in [*params, static_x]:
+        p.grad = None
+    if ours is not None:
+        dora_torch.clear_caches(ours)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn(static_x).backward(dy)
+
+    def replay(x):
+        static_x.detach().copy_(x)
+        graph.replay()
+
+    return replay
 
 
 def _graphed(fn, example):
@@ -404,20 +446,32 @@ def _norm_transient(d_in=8192, d_out=28672, r=384):
 
 
 # ------------------------------------------------------------------------------ protocol
+def _shape_name(shape) -> str:
+    d_in, d_out, r, T = shape
+    return f"{d_in}x{d_out}_r{r}_t{T}"
+
+
+def _selected(var: str, name: str) -> bool:
+    """Whether ``name`` is in the comma-separated ``var`` (everything when it is unset)."""
+    chosen = [v for v in os.environ.get(var, "").split(",") if v]
+    return not chosen or name in chosen
+
+
 def run(out_dir: pathlib.Path) -> list[dict]:
     out_dir = pathlib.Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     if not torch.cuda.is_available():
         return [{"bench": BENCH, "metric": "skipped (no CUDA)", "value": 0, "ok": None}]
     rows = []
-    for d_in, d_out, r, T in SHAPES:
+    shapes = [sh for sh in SHAPES if _selected("TORCH_LAYER_SHAPES", _shape_name(sh))]
+    for d_in, d_out, r, T in shapes:
         for mode in ("inference", "fwd_bwd"):
             for provider in PROVIDERS:
+                if not _selected("TORCH_LAYER_PROVIDERS", provider):
+                    continue
                 if provider == "ours_elementwise" and (d_in, d_out, r, T) != HEADLINE:
                     continue
-                if provider.endswith("_graphed") and (
-                    mode != "inference" or (d_in, d_out, r, T) not in GRAPHED_SHAPES
-                ):
+                if provider.endswith("_graphed") and (d_in, d_out, r, T) not in GRAPHED_SHAPES:
                     continue
                 row = {
                     "d_in": d_in,
@@ -441,6 +495,8 @@ def run(out_dir: pathlib.Path) -> list[dict]:
                 gc.collect()
                 torch.cuda.empty_cache()
     write_csv(out_dir / "torch_layer.csv", rows)
+    if os.environ.get("TORCH_LAYER_SWEEPS", "1") == "0":
+        return _summary(rows, {})
     for name, fn in (
         ("gemm_configs", _gemm_configs),
         ("reduce_configs", _reduce_configs),
@@ -517,6 +573,21 @@ def _summary(rows, extra) -> list[dict]:
             "<= 1.05",
             lambda v: v <= 1.05,
         )
+    tiny = (4096, 4096, 16, 512)  # issue 10's one-layer target
+    ratio(
+        "fwd+bwd ours_bf16/lora_eq 4096² r16 512tok, eager",
+        _get(rows, tiny, "fwd_bwd", "ours_bf16"),
+        _get(rows, tiny, "fwd_bwd", "lora_eq"),
+        "<= 1.3",
+        lambda v: v <= 1.3,
+    )
+    ratio(
+        "fwd+bwd ours_bf16/lora_eq 4096² r16 512tok, both CUDA-graphed",
+        _get(rows, tiny, "fwd_bwd", "ours_bf16_graphed"),
+        _get(rows, tiny, "fwd_bwd", "lora_eq_graphed"),
+        "<= 1.1",
+        lambda v: v <= 1.1,
+    )
     ratio(
         "inference ours_bf16/lora_eq 4096² r384 512tok, both CUDA-graphed",
         _get(rows, small, "inference", "ours_bf16_graphed"),
