@@ -159,6 +159,12 @@ NORM_DOT_PRECISION = "tf32x3"
 #: gemm / best kernel blocks): r = 128: 24.4 / 19.0; r = 256: 47.7 / 52.1; r = 384: 88.6 /
 #: 103.0. At r = 384, batch 1, the step drops from 65.5 to 59.0 ms (benchmarks/NOTES.md).
 NORM_ASSEMBLY = "auto"
+#: Up to this rank the fused tier computes the whole norm in one pass over W
+#: (``kernels/norm_pass.py``: U, G and, when not cached, ‖W‖² never reach memory), where the
+#: kernel assembly is chosen; (BLOCK_M, BLOCK_D, warps) of that kernel. Not yet tuned on the
+#: GPU (benchmarks/NOTES.md, session 7).
+NORM_PASS_MAX_RANK = 32
+NORM_PASS_BLOCKS = (64, 64, 4)
 NORM_GEMM_MIN_RANK = 256
 NORM_ROWS_BLOCK_M = 16
 NORM_ROWS_BLOCK_R = 128

@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from . import checks, config
+from .kernels.norm_pass import norm_pass, norm_pass_applies
 from .matmul import compute_dtype, mm_out
 
 
@@ -115,13 +116,18 @@ def detached_norm(
     weight, lora_A, lora_B, base_sq, scaling: float, fused: bool, chunk_size=None, *, a_cast=None
 ):
     """The norm without a graph or argument checks (callers validated them), [d_out] in the
-    compute dtype. ``a_cast``: lora_A already cast to some dtype (a module cache's cast),
-    reused when that is W's dtype.
+    compute dtype. ``base_sq``: the cached ‖W_i‖², or None to compute it here. ``a_cast``:
+    lora_A already cast to some dtype (a module cache's cast), reused when that is W's dtype.
 
-    U only ever exists for ``config.norm_row_chunk(r)`` rows at a time (bounded transient).
+    Fused, at small ranks: one pass over W (``kernels/norm_pass.py``). Otherwise U only ever
+    exists for ``config.norm_row_chunk(r)`` rows at a time (bounded transient).
     """
     a = a_cast if a_cast is not None and a_cast.dtype == weight.dtype else None
     a = rounded_a(lora_A, weight) if a is None else a
+    if fused and chunk_size is None and norm_pass_applies(weight, a.shape[0]):
+        return norm_pass(weight, a, lora_B.detach(), base_sq, scaling)
+    if base_sq is None:
+        base_sq = base_sq_norm(weight, chunk_size=chunk_size)
     rows_per_block = config.norm_row_chunk(a.shape[0])
     if weight.shape[0] <= rows_per_block:  # the common case: one block, no slicing
         U, G = _products(weight, a, chunk_size=chunk_size)
@@ -139,6 +145,8 @@ class _FactoredNorm(torch.autograd.Function):
     def forward(ctx, weight, lora_A, lora_B, base_sq, scaling, chunk_size, fused):
         ctx.scaling = scaling
         if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
+            if base_sq is None:
+                base_sq = base_sq_norm(weight, chunk_size=chunk_size)
             U, G = _products(weight, rounded_a(lora_A, weight), chunk_size=chunk_size)
             n = assemble(base_sq, U, lora_B, G, scaling, fused=fused)
             ctx.save_for_backward(weight, lora_A, lora_B, U, G, n)
@@ -190,9 +198,9 @@ def factored_norm(
     s = checks.check_scaling(scaling)
     chunk = checks.check_chunk(chunk_size)
     checks.check_impl(impl)
-    if base_sq is None:
-        base_sq = base_sq_norm(weight, chunk_size=chunk)
-    elif tuple(base_sq.shape) != (d_out,) or base_sq.dtype != compute_dtype(weight.dtype):
+    if base_sq is not None and (
+        tuple(base_sq.shape) != (d_out,) or base_sq.dtype != compute_dtype(weight.dtype)
+    ):
         raise ValueError(
             f"base_sq must be {compute_dtype(weight.dtype)} of shape ({d_out},); got "
             f"{base_sq.dtype} {tuple(base_sq.shape)}"

@@ -204,7 +204,9 @@ def max_abs(a, b) -> float:
 
 def uncached_output(layer, x, *, impl="eager"):
     """A dora_torch.Linear's output for its current parameters with no cache at all: the
-    functional path on its tensors (what every cached call must equal)."""
+    functional path on its tensors (what every cached call must equal, bit for bit). ‖W‖²
+    is computed afresh by ``base_sq_norm``, the function the cache uses: the fused tier would
+    otherwise sum it inside its one-pass norm kernel, in another order."""
     return dora_torch.dora_linear(
         x,
         layer.weight,
@@ -214,4 +216,5 @@ def uncached_output(layer, x, *, impl="eager"):
         layer.scaling,
         layer.bias,
         impl=impl,
+        base_sq=dora_torch.norm.base_sq_norm(layer.weight),
     )

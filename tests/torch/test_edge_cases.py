@@ -401,3 +401,46 @@ def test_fused_refuses_tensors_beyond_int32_offsets(monkeypatch):
     with pytest.raises(ValueError, match="int32 offsets"):
         dora_torch.dora_linear(x, W, A, B, m, s, b, impl="fused")
     dora_torch.dora_linear(x, W, A, B, m, s, b, impl="eager")  # the eager tier has no limit
+
+
+# 16 and 32: one r-block; 17: padded; d_in 45 and d_out 37: ragged last tiles (interpreter
+# blocks are 16 wide).
+@pytest.mark.parametrize("r", [1, 4, 16, 17, 32])
+@pytest.mark.parametrize("cached", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_one_pass_norm_kernel(r, cached, dtype):
+    """kernels/norm_pass.py against float64 (A rounded to W's dtype, as the precision rule
+    says), no worse than 2× the eager tier's error; ‖W‖² from the cache or from its own pass;
+    a zero row of W and B gives n = 0."""
+    from dora_torch.kernels.norm_pass import norm_pass, norm_pass_applies
+    from dora_torch.norm import detached_norm, rounded_a
+
+    _, W, A, B, _, _, s = random_case_tensors(9, d_in=45, d_out=37, r=r)
+    W = W.to(dtype)
+    with torch.no_grad():
+        W[3] = 0
+        B[3] = 0
+    assert norm_pass_applies(W, r)
+    a = rounded_a(A, W)
+    base_sq = dora_torch.base_sq_norm(W) if cached else None
+    got = norm_pass(W, a, B, base_sq, s)
+    ref = S.dense_norm(W.double().numpy(), a.double().numpy(), B.double().numpy(), s)
+    eager = detached_norm(W, A, B, dora_torch.base_sq_norm(W), s, False)
+    assert got.dtype == torch.float32 and got.shape == (37,)
+    assert got[3] == 0
+    err = np.abs(got.double().numpy() - ref).max()
+    eager_err = np.abs(eager.double().numpy() - ref).max()
+    assert err <= 2 * eager_err + 4 * np.finfo(np.float32).eps * np.abs(ref).max()
+    # factored_norm (fused, no cache) takes this kernel; the cached tier feeds it ‖W‖².
+    torch.testing.assert_close(dora_torch.factored_norm(W, A, B, s, impl="fused"), got)
+
+
+def test_one_pass_norm_kernel_is_not_used_where_it_does_not_apply(monkeypatch):
+    from dora_torch import config
+    from dora_torch.kernels.norm_pass import norm_pass_applies
+
+    W = torch.zeros(8, 16)
+    assert not norm_pass_applies(W, config.NORM_PASS_MAX_RANK + 1)
+    assert not norm_pass_applies(W.double(), 4)
+    monkeypatch.setattr(config, "NORM_ASSEMBLY", "gemm")
+    assert not norm_pass_applies(W, 4)
