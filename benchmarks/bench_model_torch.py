@@ -72,8 +72,25 @@ ITERS = 10
 GIB = 2.0**30
 FIELDS = [
     "provider", "mode", "optim", "rank", "batch", "layers", "train_ms", "infer_ms",
-    "infer_dora_cached_ms", "train_peak_gib", "grad_ckpt", "error",
+    "infer_dora_cached_ms", "train_peak_gib", "grad_ckpt", "dora_config", "error",
 ]  # fmt: skip
+
+
+def dora_config_overrides(pairs) -> dict:
+    """``["NAME=VALUE", ...]`` → {NAME: value} for ``dora_torch.config`` (VALUE a Python
+    literal); each NAME must already exist there."""
+    import ast
+
+    from dora_torch import config
+
+    out = {}
+    for pair in pairs or ():
+        name, sep, text = pair.partition("=")
+        if not sep or not hasattr(config, name):
+            raise ValueError(f"--dora-config takes NAME=VALUE with NAME in dora_torch.config; "
+                             f"got {pair!r}")  # fmt: skip
+        out[name] = ast.literal_eval(text)
+    return out
 
 
 def _env_list(name: str, default: str) -> list[str]:
@@ -295,8 +312,16 @@ def bench(
     providers: list[str],
     profile: list[str] = (),
     grad_ckpt: bool = False,
+    dora_config: dict | None = None,
 ) -> list[dict]:
+    """``dora_config``: ``dora_torch.config`` values set for the whole run (ours' rows)."""
     import torch
+
+    from dora_torch import config
+
+    for name, value in (dora_config or {}).items():
+        setattr(config, name, value)
+    config_tag = " ".join(f"{k}={v!r}" for k, v in (dora_config or {}).items())
 
     if not torch.cuda.is_available():
         raise RuntimeError("bench_model_torch needs a CUDA GPU")
@@ -334,7 +359,8 @@ def bench(
                         for optim in optims:
                             row = dict(
                                 meta, provider=name, mode=mode, optim=optim, rank=rank,
-                                batch=batch, layers=layers, grad_ckpt=grad_ckpt, **infer,
+                                batch=batch, layers=layers, grad_ckpt=grad_ckpt,
+                                dora_config=config_tag, **infer,
                             )  # fmt: skip
                             try:
                                 row.update(measure_train(model, run, ids, mode, optim))
@@ -465,6 +491,13 @@ def main(argv=None) -> int:
         "later calls slower: take timings from a separate invocation)",
     )  # fmt: skip
     ap.add_argument("--grad-ckpt", action="store_true", help="activation checkpointing on")
+    ap.add_argument(
+        "--dora-config",
+        nargs="*",
+        default=[],
+        metavar="NAME=VALUE",
+        help="dora_torch.config values for this run, e.g. NORM_PASS_MAX_RANK=32",
+    )
     ap.add_argument("--out", default=os.environ.get("OUT", "out") + "/bench")
     args = ap.parse_args(argv)
     summary = bench(
@@ -477,6 +510,7 @@ def main(argv=None) -> int:
         providers=args.providers,
         profile=args.profile,
         grad_ckpt=args.grad_ckpt,
+        dora_config=dora_config_overrides(args.dora_config),
     )
     for row in summary:
         print(f"{row['metric']}: {row['value']:.3f}")

@@ -38,6 +38,7 @@ VARIANTS = {
     "ours_layer_norms": ("ours", {"NORM_GROUP_GRAPHS": False}),
     "ours_triton_launch": ("ours", {"NORM_GROUP_GRAPHS": False, "FAST_TRITON_LAUNCH": False}),
     "ours_kernel_assembly": ("ours", {"NORM_ASSEMBLY": "kernel"}),
+    "ours_norm_pass": ("ours", {"NORM_PASS_MAX_RANK": 32}),
     "peft_dora": ("peft_dora", {}),
 }
 SWITCHES = sorted({key for _, overrides in VARIANTS.values() for key in overrides})
@@ -74,7 +75,9 @@ def _stepper(model, ids, settings: dict):
     return step
 
 
-def measure(rank: int, adapters: str, *, batch: int = 1, rounds: int = 15, layers: int = 8):
+def measure(
+    rank: int, adapters: str, *, batch: int = 1, rounds: int = 15, layers: int = 8, variants=None
+):
     import torch
 
     from dora_torch import config
@@ -84,6 +87,8 @@ def measure(rank: int, adapters: str, *, batch: int = 1, rounds: int = 15, layer
     steps = {}
     try:
         for name, (prefix, overrides) in VARIANTS.items():
+            if variants is not None and name not in variants:
+                continue
             torch.manual_seed(0)
             model = bm._wrap(bm.build_base(layers), f"{prefix}_{adapters}", rank)
             steps[name] = _stepper(model, ids, {**defaults, **overrides})
@@ -122,13 +127,13 @@ def run(out_dir: pathlib.Path) -> list[dict]:
     return _bench(out_dir, [16, 384], ["bf16", "fp32"], rounds=15)
 
 
-def _bench(out_dir, ranks, adapters, *, rounds) -> list[dict]:
+def _bench(out_dir, ranks, adapters, *, rounds, variants=None) -> list[dict]:
     out_dir = pathlib.Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     rows, rounds_rows, summary, meta = [], [], [], bm._meta()
     for rank in ranks:
         for setting in adapters:
-            got, per_round = measure(rank, setting, rounds=rounds)
+            got, per_round = measure(rank, setting, rounds=rounds, variants=variants)
             got = [{**meta, **row} for row in got]
             rows += got
             rounds_rows += per_round
@@ -159,8 +164,13 @@ def main(argv=None) -> int:
     ap.add_argument("--adapters", nargs="+", default=["bf16", "fp32"], choices=["bf16", "fp32"])
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--out", default=os.environ.get("OUT", "out") + "/bench")
+    ap.add_argument(
+        "--variants", nargs="+", default=None, choices=list(VARIANTS),
+        help="a subset (peft_lora and ours are always run: the summary's ratio needs them)",
+    )  # fmt: skip
     args = ap.parse_args(argv)
-    for row in _bench(args.out, args.ranks, args.adapters, rounds=args.rounds):
+    variants = None if args.variants is None else {"peft_lora", "ours", *args.variants}
+    for row in _bench(args.out, args.ranks, args.adapters, rounds=args.rounds, variants=variants):
         print(f"{row['metric']}: {row['value']:.3f}")
     return 0
 

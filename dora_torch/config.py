@@ -161,9 +161,10 @@ NORM_DOT_PRECISION = "tf32x3"
 NORM_ASSEMBLY = "auto"
 #: Up to this rank the fused tier computes the whole norm in one pass over W
 #: (``kernels/norm_pass.py``: U, G and, when not cached, ‖W‖² never reach memory), where the
-#: kernel assembly is chosen; (BLOCK_M, BLOCK_D, warps) of that kernel. Not yet tuned on the
-#: GPU (benchmarks/NOTES.md, session 7).
-NORM_PASS_MAX_RANK = 32
+#: kernel assembly is chosen; (BLOCK_M, BLOCK_D, warps) of that kernel. 0 (off) until it has
+#: run on the GPU: tested through the interpreter only (benchmarks/NOTES.md, session 7; set
+#: 32 to try it).
+NORM_PASS_MAX_RANK = 0
 NORM_PASS_BLOCKS = (64, 64, 4)
 NORM_GEMM_MIN_RANK = 256
 NORM_ROWS_BLOCK_M = 16

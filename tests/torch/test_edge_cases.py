@@ -408,12 +408,14 @@ def test_fused_refuses_tensors_beyond_int32_offsets(monkeypatch):
 @pytest.mark.parametrize("r", [1, 4, 16, 17, 32])
 @pytest.mark.parametrize("cached", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_one_pass_norm_kernel(r, cached, dtype):
+def test_one_pass_norm_kernel(r, cached, dtype, monkeypatch):
     """kernels/norm_pass.py against float64 (A rounded to W's dtype, as the precision rule
     says), no worse than 2× the eager tier's error; ‖W‖² from the cache or from its own pass;
     a zero row of W and B gives n = 0."""
     from dora_torch.kernels.norm_pass import norm_pass, norm_pass_applies
     from dora_torch.norm import detached_norm, rounded_a
+
+    monkeypatch.setattr(config, "NORM_PASS_MAX_RANK", 32)
 
     _, W, A, B, _, _, s = random_case_tensors(9, d_in=45, d_out=37, r=r)
     W = W.to(dtype)
@@ -436,10 +438,12 @@ def test_one_pass_norm_kernel(r, cached, dtype):
 
 
 def test_one_pass_norm_kernel_is_not_used_where_it_does_not_apply(monkeypatch):
-    from dora_torch import config
     from dora_torch.kernels.norm_pass import norm_pass_applies
 
     W = torch.zeros(8, 16)
+    assert not norm_pass_applies(W, 4)  # off by default until measured on the GPU
+    monkeypatch.setattr(config, "NORM_PASS_MAX_RANK", 32)
+    assert norm_pass_applies(W, 4)
     assert not norm_pass_applies(W, config.NORM_PASS_MAX_RANK + 1)
     assert not norm_pass_applies(W.double(), 4)
     monkeypatch.setattr(config, "NORM_ASSEMBLY", "gemm")
