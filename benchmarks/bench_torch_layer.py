@@ -574,20 +574,14 @@ def _summary(rows, extra) -> list[dict]:
             lambda v: v <= 1.05,
         )
     tiny = (4096, 4096, 16, 512)  # issue 10's one-layer target
-    ratio(
-        "fwd+bwd ours_bf16/lora_eq 4096² r16 512tok, eager",
-        _get(rows, tiny, "fwd_bwd", "ours_bf16"),
-        _get(rows, tiny, "fwd_bwd", "lora_eq"),
-        "<= 1.3",
-        lambda v: v <= 1.3,
-    )
-    ratio(
-        "fwd+bwd ours_bf16/lora_eq 4096² r16 512tok, both CUDA-graphed",
-        _get(rows, tiny, "fwd_bwd", "ours_bf16_graphed"),
-        _get(rows, tiny, "fwd_bwd", "lora_eq_graphed"),
-        "<= 1.1",
-        lambda v: v <= 1.1,
-    )
+    for suffix, how, tgt in (("", "eager", 1.3), ("_graphed", "both CUDA-graphed", 1.1)):
+        ratio(
+            f"fwd+bwd ours_bf16/lora_eq 4096² r16 512tok, {how}",
+            _get(rows, tiny, "fwd_bwd", "ours_bf16" + suffix),
+            _get(rows, tiny, "fwd_bwd", "lora_eq" + suffix),
+            f"<= {tgt}",
+            lambda v, t=tgt: v <= t,
+        )
     ratio(
         "inference ours_bf16/lora_eq 4096² r384 512tok, both CUDA-graphed",
         _get(rows, small, "inference", "ours_bf16_graphed"),
