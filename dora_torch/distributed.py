@@ -113,7 +113,7 @@ class _Sharded:
     weight: _ParamStamp
     adapters: tuple[_ParamStamp, ...]
     base_sq: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)
-    local_sq: dict[torch.dtype, tuple[int, torch.Tensor]] = field(default_factory=dict)
+    local_sq: dict[torch.dtype, tuple[tuple | None, torch.Tensor]] = field(default_factory=dict)
     local_norm: tuple | None = None  # written by LocalNorms.compute
     hits: int = 0  # forwards that reused ‖W‖² (for tests and logs)
     local_hits: int = 0  # forwards that read the norm LocalNorms computed

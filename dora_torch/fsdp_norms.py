@@ -9,10 +9,10 @@ needs all of A (r rows, sharded too) and nothing else from other ranks. ``LocalN
 that for all layers of a model at the start of every root forward (a forward pre-hook on the
 model ``prepare_fsdp`` was given):
 
-  1. one ``all_gather_into_tensor`` of every layer's local A rows (r·d_in per layer);
+  1. one all-gather of every layer's local A rows (r·d_in per layer), rounded to W's dtype;
   2. per layer, the norm of the local rows (``norm.detached_norm`` on the local shards, cast
      to the dtype the forward computes in, with ‖W_i‖² that ``prepare_fsdp`` kept);
-  3. one ``all_gather_into_tensor`` of every layer's local norm rows, so each layer has its
+  3. one all-gather of every layer's local norm rows, so each layer has its
      whole [d_out] norm before its own all-gather even starts.
 
 Each layer's forward pre-hook then installs its norm in the layer's cache for the unsharded
@@ -119,7 +119,11 @@ class LocalNorms:
             a_full = every[:, start : start + size].reshape(world * c, d_in)[: A.shape[0]]
             start += size
             w_loc = W.to_local().detach().to(dtype)
-            b_loc = B.to_local().detach().to(dtype)
+            # B as the forward sees it: cast by the mixed-precision policy, else its own dtype
+            # (the assembly takes B at fp32; A is rounded to W's dtype either way).
+            b_loc = B.to_local().detach()
+            if self.param_dtype is not None:
+                b_loc = b_loc.to(self.param_dtype)
             base_sq = state.local_base_sq(w_loc)
             if w_loc.shape[0] == 0:  # a rank past the last chunk (FSDP2 pads, d_out < world)
                 n = base_sq.new_empty(0)
@@ -144,7 +148,7 @@ def install(module, state, x) -> bool:
     """Hand ``module``'s cache the norm ``LocalNorms`` computed, for the unsharded tensors of
     this forward (a forward pre-hook after FSDP2's unshard). False when there is none that is
     current for this call."""
-    entry = getattr(state, "local_norm", None)
+    entry = state.local_norm
     if entry is None or not isinstance(x, torch.Tensor) or torch.is_autocast_enabled(x.device.type):
         return False
     n, dtype, steps, versions = entry
