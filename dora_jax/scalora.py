@@ -144,11 +144,19 @@ def _scalar(K, lam, eL, tol):
     return pick[0], pick[1], case
 
 
+def _eigh_implementation():
+    """The eigensolver for the 2r × 2r systems. On GPUs JAX picks cuSOLVER's Jacobi
+    ``syevjBatched`` for n ≤ 32 (r ≤ 16) and the QR-based batched ``syev`` above; ask for the
+    latter at every size (ScaLoRA every step cost 1.46× a LoRA step at r = 8 against 1.18× at
+    r = 64 in runs 15 and 18; benchmarks/NOTES.md). Elsewhere: JAX's default."""
+    return lax.linalg.EighImplementation.QR if jax.default_backend() == "gpu" else None
+
+
 def _solve(K, lam, eL, status, tol):
     """The branch rule of the spec on one system (vmapped over the layers of one rank)."""
     r = K.shape[-1] // 2
     # minimum-norm solution with numpy lstsq's cutoff (K is symmetric PSD: eigh is its SVD)
-    w, U = jnp.linalg.eigh(K)
+    U, w = lax.linalg.eigh(K, implementation=_eigh_implementation())
     aw = jnp.abs(w)
     keep = aw > jnp.finfo(K.dtype).eps * (2 * r) * jnp.max(aw)
     inv = jnp.where(keep, 1 / jnp.where(keep, w, 1), 0)

@@ -372,3 +372,18 @@ def test_nnx_step_skips_on_the_host_between_merges(x64):
     out, info = SC.scalora_step(model, opt, grads, lr_times_L=ETA_L, step=10, interval=10)
     assert bool(info["applied"]) and set(info["layers"]) == {"dora", "lora_linear", "lora"}
     assert kernel.is_deleted()  # the merge donated the old kernel
+
+
+def test_gpu_eigensolver_is_the_batched_qr_one_at_every_rank(monkeypatch):
+    """JAX would pick cuSOLVER's Jacobi solver for 2r ≤ 32 on GPUs (the suspected cause of
+    the r = 8 every-step cost); the systems ask for the QR-based one there, and for JAX's
+    default elsewhere (CPU, where Jacobi does not exist)."""
+    import jax
+    from jax import lax
+
+    from dora_jax import scalora as SC
+
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert SC._eigh_implementation() is lax.linalg.EighImplementation.QR
+    monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
+    assert SC._eigh_implementation() is None
