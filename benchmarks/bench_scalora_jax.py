@@ -15,6 +15,10 @@ were printed and were not comparable).
 
     python3 -m benchmarks.bench_scalora_jax --ranks 8 64 --layers 8 --isolate
     python3 -m benchmarks.bench_scalora_jax --tiny      # a CPU smoke run of the same code
+
+``--eigh jax`` runs the systems' eigensolver as JAX picks it on GPUs (batched Jacobi for
+2r ≤ 32) instead of ``dora_jax.config.SCALORA_EIGH_ON_GPU``'s default "qr" (both written to
+the log; compare two invocations).
 """
 
 from __future__ import annotations
@@ -126,8 +130,11 @@ def measure(
 
 def _isolated(rank: int, interval: int, *, layers: int, tiny: bool) -> dict:
     """``measure`` in a fresh Python process (its own device peak)."""
+    from dora_jax import config as dora_config
+
     args = [sys.executable, "-m", "benchmarks.bench_scalora_jax", "--one", str(rank),
-            str(interval), "--layers", str(layers)] + (["--tiny"] if tiny else [])  # fmt: skip
+            str(interval), "--layers", str(layers), "--eigh",
+            dora_config.SCALORA_EIGH_ON_GPU] + (["--tiny"] if tiny else [])  # fmt: skip
     done = subprocess.run(args, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"variant r={rank} I={interval} failed:\n{done.stderr[-4000:]}")
@@ -168,10 +175,16 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=os.environ.get("OUT", "out") + "/bench")
     ap.add_argument("--isolate", action="store_true", help="one process per variant")
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    ap.add_argument("--eigh", default="qr", choices=["qr", "jax"],
+                    help="dora_jax.config.SCALORA_EIGH_ON_GPU for this run")  # fmt: skip
     ap.add_argument(
         "--one", type=int, nargs=2, metavar=("RANK", "INTERVAL"), help=argparse.SUPPRESS
     )  # a child of --isolate: print one JSON row
     args = ap.parse_args(argv)
+    from dora_jax import config as dora_config
+
+    dora_config.SCALORA_EIGH_ON_GPU = args.eigh
+    print(f"[scalora_jax] eigensolver on GPUs: {args.eigh}", flush=True)
     if args.one:
         print(json.dumps(measure(*args.one, layers=args.layers, tiny=args.tiny, own_process=True)))
         return 0

@@ -141,6 +141,12 @@ def dot_precision(compute_dtype) -> lax.Precision:
 NORM_PRECISION = lax.Precision.HIGHEST
 
 
+#: The eigensolver of ScaLoRA's 2r × 2r systems on GPUs: "qr" (cuSOLVER's batched syev at
+#: every size) or "jax" (JAX's choice: batched Jacobi ``syevj`` for 2r ≤ 32). Read when
+#: ``scalora_update`` is traced; ``benchmarks/bench_scalora_jax.py`` compares the two.
+SCALORA_EIGH_ON_GPU = "qr"
+
+
 # A predicate sees the layer shape (tokens, d_in, d_out, rank) and returns True where Pallas
 # was measured faster than XLA on the GPU. None means "XLA on every shape".
 ShapePredicate = Callable[[int, int, int, int], bool]

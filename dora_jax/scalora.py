@@ -54,6 +54,7 @@ from jax import lax
 
 from shared_spec import scalora as _spec
 
+from . import config as _config
 from .checks import check_adapter
 from .config import acc_dtype
 from .dense import DoraCache, DoraDense
@@ -146,10 +147,15 @@ def _scalar(K, lam, eL, tol):
 
 def _eigh_implementation():
     """The eigensolver for the 2r × 2r systems. On GPUs JAX picks cuSOLVER's Jacobi
-    ``syevjBatched`` for n ≤ 32 (r ≤ 16) and the QR-based batched ``syev`` above; ask for the
-    latter at every size (ScaLoRA every step cost 1.46× a LoRA step at r = 8 against 1.18× at
-    r = 64 in runs 15 and 18; benchmarks/NOTES.md). Elsewhere: JAX's default."""
-    return lax.linalg.EighImplementation.QR if jax.default_backend() == "gpu" else None
+    ``syevjBatched`` for n ≤ 32 (r ≤ 16) and the QR-based batched ``syev`` above; by default
+    (``config.SCALORA_EIGH_ON_GPU``) ask for the latter at every size: ScaLoRA every step cost
+    1.46× a LoRA step at r = 8 against 1.18× at r = 64 (runs 15 and 18, benchmarks/NOTES.md).
+    Elsewhere: JAX's default."""
+    choice = _config.SCALORA_EIGH_ON_GPU
+    if choice not in ("qr", "jax"):
+        raise ValueError(f"config.SCALORA_EIGH_ON_GPU must be 'qr' or 'jax'; got {choice!r}")
+    on_gpu = _config.current_platform() == "gpu"
+    return lax.linalg.EighImplementation.QR if on_gpu and choice == "qr" else None
 
 
 def _solve(K, lam, eL, status, tol):

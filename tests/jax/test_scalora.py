@@ -378,12 +378,18 @@ def test_gpu_eigensolver_is_the_batched_qr_one_at_every_rank(monkeypatch):
     """JAX would pick cuSOLVER's Jacobi solver for 2r ≤ 32 on GPUs (the suspected cause of
     the r = 8 every-step cost); the systems ask for the QR-based one there, and for JAX's
     default elsewhere (CPU, where Jacobi does not exist)."""
-    import jax
     from jax import lax
 
+    from dora_jax import config
     from dora_jax import scalora as SC
 
-    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(config, "current_platform", lambda: "gpu")
     assert SC._eigh_implementation() is lax.linalg.EighImplementation.QR
-    monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
+    monkeypatch.setattr(config, "SCALORA_EIGH_ON_GPU", "jax")
+    assert SC._eigh_implementation() is None
+    monkeypatch.setattr(config, "SCALORA_EIGH_ON_GPU", "jacobi")
+    with pytest.raises(ValueError, match="SCALORA_EIGH_ON_GPU"):
+        SC._eigh_implementation()
+    monkeypatch.setattr(config, "SCALORA_EIGH_ON_GPU", "qr")
+    monkeypatch.setattr(config, "current_platform", lambda: "cpu")
     assert SC._eigh_implementation() is None
