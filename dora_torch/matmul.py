@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import torch
 
+_COMPUTE = {dt: torch.promote_types(dt, torch.float32) for dt in
+            (torch.float16, torch.bfloat16, torch.float32, torch.float64)}  # fmt: skip
+
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype norms, compositions and reductions run in: promote(fp32, dtype) — fp32 for
-    fp16, bf16 and fp32 inputs, float64 for float64 (docs/design.md §5)."""
-    return torch.promote_types(dtype, torch.float32)
+    fp16, bf16 and fp32 inputs, float64 for float64 (docs/design.md §5). (A table lookup for
+    the float dtypes: this is asked several times per layer call.)"""
+    found = _COMPUTE.get(dtype)
+    return torch.promote_types(dtype, torch.float32) if found is None else found
 
 
 def mm_out(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
