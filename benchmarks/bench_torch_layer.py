@@ -193,8 +193,9 @@ def _measure(provider, d_in, d_out, r, T, mode):
 def _graphed_train(fn, params, ours, example, dy):
     """fn's forward + backward (dy) captured in one CUDA graph; the returned callable copies
     its input into the static buffer and replays (gradients land in static .grad buffers).
-    For ours the norm cache is cleared right before capture, so the capture computes the norm
-    and every replay recomputes it from the adapters' current values."""
+    For ours the norm cache is cleared right before capture (‖W‖² of the frozen W is kept),
+    so the capture computes the norm and every replay recomputes it from the adapters'
+    current values."""
     import dora_torch
 
     static_x = example.detach().clone().requires_grad_(example.requires_grad)
@@ -208,6 +209,7 @@ def _graphed_train(fn, params, ours, example, dy):
         p.grad = None
     if ours is not None:
         dora_torch.clear_caches(ours)
+        ours._dora_norm_cache.base_sq(ours.weight)  # W is frozen: ‖W‖² stays cached, as in training
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn(static_x).backward(dy)
