@@ -128,15 +128,15 @@ class _Sharded:
             return None
         return tuple((id(t), t._version) for t in found)
 
-    def local_base_sq(self, w_local: torch.Tensor) -> torch.Tensor:
-        """‖W_i‖² of this rank's rows, ``w_local`` its local shard in the forward's dtype;
-        recomputed once after a write to the sharded W."""
+    def local_base_sq(self, w_local: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """‖W_i‖² of this rank's rows with W rounded to ``dtype`` (the forward's), ``w_local``
+        its local shard; recomputed once after a write to the sharded W."""
         W = self.weight.ref()
         version = None if W is None else (id(W), W._version)
-        kept = self.local_sq.get(w_local.dtype)
+        kept = self.local_sq.get(dtype)
         if kept is None or kept[0] != version or kept[1].shape[0] != w_local.shape[0]:
-            kept = (version, _norm.base_sq_norm(w_local))
-            self.local_sq[w_local.dtype] = kept
+            kept = (version, _norm.base_sq_norm(w_local.to(dtype)))
+            self.local_sq[dtype] = kept
         return kept[1]
 
 

@@ -15,6 +15,10 @@ model ``prepare_fsdp`` was given):
   3. one all-gather of every layer's local norm rows, so each layer has its
      whole [d_out] norm before its own all-gather even starts.
 
+On CUDA, step 2 is captured in a CUDA graph the second time it sees the same tensors and
+replayed from then on (``config.NORM_GROUP_GRAPHS``, as for the norm group), so its host
+cost is one replay instead of a few launches per layer; the collectives stay outside.
+
 Each layer's forward pre-hook then installs its norm in the layer's cache for the unsharded
 tensors of that forward, so the forward reads it instead of computing U = W Aᵀ from the
 all-gathered W, layer by layer. No W is gathered for it, and each rank computes 1/world of
@@ -32,15 +36,18 @@ or whose compute dtype differs from the first layer's, are left to the per-layer
 
 from __future__ import annotations
 
+import logging
 import weakref
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
-from . import cache, norm
+from . import cache, config, norm
 from .dispatch import FUSED_DTYPES, resolve_impl
 from .matmul import compute_dtype
+
+logger = logging.getLogger("dora_torch")
 
 
 def _row_sharded(t, mesh) -> bool:
@@ -61,9 +68,10 @@ def _padded_rows(local: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.cat([local, pad])
 
 
-def _all_gather(mine: torch.Tensor, world: int, group) -> torch.Tensor:
-    """[world, n]: every rank's 1-D ``mine`` (same n on every rank), one collective."""
-    flat = mine.new_empty(world * mine.numel())
+def _all_gather(mine: torch.Tensor, world: int, group, out=None) -> torch.Tensor:
+    """[world, n]: every rank's 1-D ``mine`` (same n on every rank), one collective, into
+    ``out`` (1-D, world·n) if given."""
+    flat = mine.new_empty(world * mine.numel()) if out is None else out
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     gather(flat, mine, group=group)
     return flat.view(world, -1)
@@ -80,6 +88,12 @@ class LocalNorms:
         self._tensors_of = tensors_of
         self.param_dtype = param_dtype
         self.computations = 0  # root forwards that computed the norms (tests and logs)
+        self._a_buf: torch.Tensor | None = None
+        self._graph: torch.cuda.CUDAGraph | None = None
+        self._static: torch.Tensor | None = None
+        self._signature: tuple | None = None
+        self._seen: tuple | None = None
+        self._failed = False
 
     def compute(self) -> None:
         """Steps 1-3 of the module doc; every rank must call it at the same point."""
@@ -104,44 +118,104 @@ class LocalNorms:
         if not chosen:
             return
         group, world = mesh.get_group(), mesh.size()
-        # 1. all of every layer's A, in one collective.
+        # 1. all of every layer's A, in one collective (into a buffer kept across calls: a
+        # captured step 2 reads it at a fixed address).
         chunks = [-(-A.shape[0] // world) for _, _, A, *_ in chosen]
         local_a = [
             _padded_rows(A.to_local().detach().to(dtype), c).reshape(-1)
             for (_, _, A, *_), c in zip(chosen, chunks, strict=True)
         ]
-        sizes = [t.numel() for t in local_a]
-        every = _all_gather(torch.cat(local_a), world, group)
+        mine = torch.cat(local_a)
+        buf = self._a_buf
+        if buf is None or (buf.numel(), buf.dtype, buf.device) != (
+            world * mine.numel(),
+            mine.dtype,
+            mine.device,
+        ):
+            buf = self._a_buf = mine.new_empty(world * mine.numel())
+        every = _all_gather(mine, world, group, out=buf)
         # 2. the norm of this rank's rows of each layer.
-        local_n, out_chunks, start = [], [], 0
-        for (state, W, A, B, s, impl), c, size in zip(chosen, chunks, sizes, strict=True):
-            d_in = A.shape[1]
-            a_full = every[:, start : start + size].reshape(world * c, d_in)[: A.shape[0]]
-            start += size
-            w_loc = W.to_local().detach().to(dtype)
-            # B as the forward sees it: cast by the mixed-precision policy, else its own dtype
-            # (the assembly takes B at fp32; A is rounded to W's dtype either way).
-            b_loc = B.to_local().detach()
-            if self.param_dtype is not None:
-                b_loc = b_loc.to(self.param_dtype)
-            base_sq = state.local_base_sq(w_loc)
-            if w_loc.shape[0] == 0:  # a rank past the last chunk (FSDP2 pads, d_out < world)
-                n = base_sq.new_empty(0)
-            else:
-                fused = impl != "eager" and w_loc.is_cuda and dtype in FUSED_DTYPES
-                n = norm.detached_norm(w_loc, a_full, b_loc, base_sq, s, fused)
-            rows = -(-W.shape[0] // world)
-            out_chunks.append(rows)
-            local_n.append(_padded_rows(n, rows))
+        plan, start = [], 0
+        for (state, W, A, B, s, impl), c, t in zip(chosen, chunks, local_a, strict=True):
+            w_raw = W.to_local().detach()
+            fused = impl != "eager" and w_raw.is_cuda and dtype in FUSED_DTYPES
+            a_rows = (start, start + t.numel(), world * c, A.shape)
+            start += t.numel()
+            plan.append((w_raw, B.to_local().detach(), state.local_base_sq(w_raw, dtype), s,
+                         fused, a_rows, -(-W.shape[0] // world)))  # fmt: skip
+        local_n = self._local_rows(plan, every, dtype)
         # 3. every layer's whole norm, in one collective.
-        every = _all_gather(torch.cat(local_n), world, group)
+        every = _all_gather(local_n, world, group)
         start = 0
         steps = cache.optimizer_steps()
-        for (state, W, *_), rows in zip(chosen, out_chunks, strict=True):
+        for (state, W, *_), (*_, rows) in zip(chosen, plan, strict=True):
             full = every[:, start : start + rows].reshape(-1)[: W.shape[0]]
             start += rows
             state.local_norm = (full, dtype, steps, state.versions())
         self.computations += 1
+
+    def _norms_of_rows(self, plan, every, dtype) -> torch.Tensor:
+        """Step 2 from the local shards (``plan``) and the gathered A rows: the padded local
+        norms of every layer, concatenated."""
+        out = []
+        for w_raw, b_raw, base_sq, s, fused, (a0, a1, rows_a, shape_a), rows in plan:
+            a_full = every[:, a0:a1].reshape(rows_a, shape_a[1])[: shape_a[0]]
+            w_loc = w_raw.to(dtype)
+            # B as the forward sees it: cast by the mixed-precision policy, else its own
+            # dtype (the assembly takes B at fp32; A is rounded to W's dtype either way).
+            b_loc = b_raw if self.param_dtype is None else b_raw.to(self.param_dtype)
+            if w_loc.shape[0] == 0:  # a rank past the last chunk (FSDP2 pads, d_out < world)
+                n = base_sq.new_empty(0)
+            else:
+                n = norm.detached_norm(w_loc, a_full, b_loc, base_sq, s, fused)
+            out.append(_padded_rows(n, rows))
+        return torch.cat(out)
+
+    def _local_rows(self, plan, every, dtype) -> torch.Tensor:
+        """``_norms_of_rows``, captured in a CUDA graph the second time the same tensors
+        (addresses, shapes, strides, dtypes, scalings) are seen and replayed from then on,
+        as ``norm_group.NormGroup`` does; eager on CPU, while another capture runs, with
+        ``config.NORM_GROUP_GRAPHS`` off, or after a capture failed."""
+        w0 = plan[0][0]
+        graphs = (
+            w0.is_cuda
+            and config.NORM_GROUP_GRAPHS
+            and not self._failed
+            and not torch.cuda.is_current_stream_capturing()
+        )
+        if not graphs:
+            return self._norms_of_rows(plan, every, dtype)
+        signature = (
+            _where(every),
+            dtype,
+            *((_where(w), _where(b), _where(q), s, f, a) for w, b, q, s, f, a, _ in plan),
+        )
+        if signature == self._signature:
+            self._graph.replay()
+            return self._static.clone()
+        if signature != self._seen:
+            self._seen, self._graph, self._signature = signature, None, None
+            return self._norms_of_rows(plan, every, dtype)
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph):
+                static = self._norms_of_rows(plan, every, dtype)
+        except Exception as e:  # any capture failure: stay eager
+            logger.warning(
+                "dora_torch: capturing the FSDP2 local norms failed (%s); they are computed "
+                "eagerly from now on",
+                e,
+            )
+            self._failed = True
+            return self._norms_of_rows(plan, every, dtype)
+        self._graph, self._static, self._signature = graph, static, signature
+        graph.replay()
+        return static.clone()
+
+
+def _where(t: torch.Tensor) -> tuple:
+    """What a captured graph depends on: the address, shape, strides and dtype it reads."""
+    return t.data_ptr(), t.shape, t.stride(), t.dtype
 
 
 def install(module, state, x) -> bool:
