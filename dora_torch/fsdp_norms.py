@@ -171,19 +171,20 @@ class LocalNorms:
             out.append(_padded_rows(n, rows))
         return torch.cat(out)
 
+    def _can_capture(self, weight: torch.Tensor) -> bool:
+        return (
+            weight.is_cuda
+            and config.NORM_GROUP_GRAPHS
+            and not self._failed
+            and not torch.cuda.is_current_stream_capturing()
+        )
+
     def _local_rows(self, plan, every, dtype) -> torch.Tensor:
         """``_norms_of_rows``, captured in a CUDA graph the second time the same tensors
         (addresses, shapes, strides, dtypes, scalings) are seen and replayed from then on,
         as ``norm_group.NormGroup`` does; eager on CPU, while another capture runs, with
         ``config.NORM_GROUP_GRAPHS`` off, or after a capture failed."""
-        w0 = plan[0][0]
-        graphs = (
-            w0.is_cuda
-            and config.NORM_GROUP_GRAPHS
-            and not self._failed
-            and not torch.cuda.is_current_stream_capturing()
-        )
-        if not graphs:
+        if not self._can_capture(plan[0][0]):
             return self._norms_of_rows(plan, every, dtype)
         signature = (
             _where(every),
