@@ -278,7 +278,7 @@ def _before_forward(module: nn.Module, _args) -> None:
             if target is None:
                 return
             state.weight = _ParamStamp(target)
-    if _args and fsdp_norms.install(module, state, _args[0]):
+    if _args and fsdp_norms.install(norm_cache, found, state, _args[0]):
         state.local_hits += 1
         return
     value = state.base_sq.get(weight.dtype)

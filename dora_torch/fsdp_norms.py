@@ -219,18 +219,14 @@ def _where(t: torch.Tensor) -> tuple:
     return t.data_ptr(), t.shape, t.stride(), t.dtype
 
 
-def install(module, state, x) -> bool:
-    """Hand ``module``'s cache the norm ``LocalNorms`` computed, for the unsharded tensors of
-    this forward (a forward pre-hook after FSDP2's unshard). False when there is none that is
-    current for this call."""
+def install(norm_cache, found, state, x) -> bool:
+    """Hand a module's cache the norm ``LocalNorms`` computed, for the unsharded tensors of
+    this forward (``found`` = its (W, A, B, s, impl); called from a forward pre-hook after
+    FSDP2's unshard). False when there is none that is current for this call."""
     entry = state.local_norm
     if entry is None or not isinstance(x, torch.Tensor) or torch.is_autocast_enabled(x.device.type):
         return False
     n, dtype, steps, versions = entry
-    found = module._dora_tensors(module)
-    norm_cache = cache.module_cache(module)
-    if found is None or norm_cache is None:
-        return False
     weight, lora_A, lora_B, scaling, impl = found
     if (
         steps != cache.optimizer_steps()
