@@ -14,7 +14,7 @@ change each, against the first PEFT run:
     other);
   - ``peft_cublaslt``: cuBLASLt instead of cuBLAS for the GEMMs
     (``torch.backends.cuda.preferred_blas_library``), i.e. other kernels and summation orders.
-Run 20 showed that toggling ``allow_bf16_reduced_precision_reduction`` (the floor used
+Run 22 showed that toggling ``allow_bf16_reduced_precision_reduction`` (the floor used
 before) changes nothing here: that rerun was bit-identical to PEFT. The floor is the larger
 of the two spreads (mean and max); ours must stay within it.
 

@@ -161,12 +161,16 @@ class NormCache:
         return self.state(weight, lora_A, lora_B, scaling, impl=impl, dtype=weight.dtype)[0]
 
 
+def detached_cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t`` detached, in ``dtype`` (the same tensor when already in it): an adapter as the
+    products see it."""
+    t = t.detach()
+    return t if t.dtype == dtype else t.to(dtype)
+
+
 def compute_state(weight, lora_A, lora_B, base_sq, scaling: float, impl: str, dtype):
     """(n, a, b) of ``NormCache.state``, computed (arguments already checked)."""
-    a = lora_A.detach()
-    a = a if a.dtype == dtype else a.to(dtype)
-    b = lora_B.detach()
-    b = b if b.dtype == dtype else b.to(dtype)
+    a, b = detached_cast(lora_A, dtype), detached_cast(lora_B, dtype)
     n = detached_norm(
         weight, lora_A.detach(), lora_B.detach(), base_sq, scaling, impl == "fused", a_cast=a
     )

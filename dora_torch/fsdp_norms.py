@@ -46,6 +46,7 @@ from torch.distributed.tensor import DTensor, Shard
 from . import cache, config, norm
 from .dispatch import FUSED_DTYPES, resolve_impl
 from .matmul import compute_dtype
+from .norm_group import graph_key
 
 logger = logging.getLogger("dora_torch")
 
@@ -187,9 +188,9 @@ class LocalNorms:
         if not self._can_capture(plan[0][0]):
             return self._norms_of_rows(plan, every, dtype)
         signature = (
-            _where(every),
+            graph_key(every),
             dtype,
-            *((_where(w), _where(b), _where(q), s, f, a) for w, b, q, s, f, a, _ in plan),
+            *((graph_key(w), graph_key(b), graph_key(q), s, f, a) for w, b, q, s, f, a, _ in plan),
         )
         if signature == self._signature:
             self._graph.replay()
@@ -214,11 +215,6 @@ class LocalNorms:
         return static.clone()
 
 
-def _where(t: torch.Tensor) -> tuple:
-    """What a captured graph depends on: the address, shape, strides and dtype it reads."""
-    return t.data_ptr(), t.shape, t.stride(), t.dtype
-
-
 def install(norm_cache, found, state, x) -> bool:
     """Hand a module's cache the norm ``LocalNorms`` computed, for the unsharded tensors of
     this forward (``found`` = its (W, A, B, s, impl); called from a forward pre-hook after
@@ -237,7 +233,6 @@ def install(norm_cache, found, state, x) -> bool:
     ):
         return False
     tier = resolve_impl(impl, x, weight.shape[0])
-    a = lora_A.detach() if lora_A.dtype == x.dtype else lora_A.detach().to(x.dtype)
-    b = lora_B.detach() if lora_B.dtype == x.dtype else lora_B.detach().to(x.dtype)
+    a, b = cache.detached_cast(lora_A, x.dtype), cache.detached_cast(lora_B, x.dtype)
     norm_cache.install(weight, lora_A, lora_B, scaling, tier, x.dtype, (n, a, b))
     return True

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from . import checks, ops
-from .cache import DORA_NORM_BUFFER, NormCache, write_norm_buffer
+from .cache import DORA_NORM_BUFFER, NormCache, detached_cast, write_norm_buffer
 from .config import EPS
 from .dispatch import resolve_impl
 from .matmul import compute_dtype
@@ -186,7 +186,7 @@ def _dora_linear(
         save = ops.SAVE_INNER
     opts = ops.LinearOptions.of(scaling, tier, save)
     w = weight.detach()
-    a, b = adapters or (_cast(lora_A, x.dtype), _cast(lora_B, x.dtype))
+    a, b = adapters or (detached_cast(lora_A, x.dtype), detached_cast(lora_B, x.dtype))
     if save == ops.SAVE_NONE:  # no autograd bookkeeping at all
         y = ops.forward_core(x2, x_d, w, a, b, magnitude, n, bias, opts)[0]
     else:
@@ -199,8 +199,3 @@ def _dora_linear(
         else:  # not a view, like nn.Linear's output (FSDP2 hooks module outputs)
             y = torch.ops.aten._unsafe_view(y, (*lead, d_out))
     return y, tier
-
-
-def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    t = t.detach()
-    return t if t.dtype == dtype else t.to(dtype)

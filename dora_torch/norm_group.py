@@ -93,7 +93,7 @@ class NormGroup:
         signature = (
             (weight.device, dtype),
             *(
-                (_where(w), _where(a), _where(b), q.data_ptr(), s)
+                (graph_key(w), graph_key(a), graph_key(b), q.data_ptr(), s)
                 for (_, w, a, b, s), q in zip(members, base, strict=True)
             ),
         )
@@ -208,7 +208,7 @@ class NormGroup:
         return values
 
 
-def _where(t: torch.Tensor) -> tuple:
+def graph_key(t: torch.Tensor) -> tuple:
     """What a captured graph depends on: the address, shape, strides and dtype it reads."""
     return t.data_ptr(), t.shape, t.stride(), t.dtype
 

@@ -24,6 +24,7 @@ import triton.language as tl
 from .. import config
 from .common import cdiv, check_launchable, dot_fp32, dot_precision, next_pow2, unit_stride
 from .launch import Launcher
+from .norm import assembly_method
 
 
 @triton.jit
@@ -104,8 +105,6 @@ def norm_pass_applies(weight: torch.Tensor, r: int) -> bool:
     """Whether ``norm_pass`` computes the norm of ``weight`` at rank r: a 16-bit or fp32 W on
     CUDA (or the interpreter), r ≤ ``config.NORM_PASS_MAX_RANK``, and the kernel assembly
     chosen for r (``config.NORM_ASSEMBLY``)."""
-    from .norm import assembly_method
-
     if not (1 <= r <= config.NORM_PASS_MAX_RANK):
         return False
     if weight.dtype not in (torch.bfloat16, torch.float16, torch.float32):
