@@ -134,7 +134,7 @@ def norm_pass(
     out = torch.empty(N, dtype=torch.float32, device=weight.device)
     if N == 0:
         return out
-    bm, bd, warps = config.NORM_PASS_BLOCKS
+    bm, bd, warps, stages = config.NORM_PASS_BLOCKS
     bm, bd = config.interp_small(bm), config.interp_small(bd)
     br = max(16, next_pow2(R))
     _launch_norm_pass(
@@ -162,5 +162,6 @@ def norm_pass(
         BLOCK_D=bd,
         BLOCK_R=br,
         num_warps=warps,
+        num_stages=stages,
     )
     return out
