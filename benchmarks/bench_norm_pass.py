@@ -73,7 +73,8 @@ def sweep(rank: int = 16, top: int = 6, s: float = 2.0) -> tuple[list[dict], tup
         with torch.no_grad():
             config.NORM_PASS_MAX_RANK = 0  # the fused tier's norm without the pass
             for shape, (W, A, B) in data.items():
-                for label, bsq in (("off, ‖W‖² computed", None), ("off, ‖W‖² cached", cached[shape])):
+                offs = (("off, ‖W‖² computed", None), ("off, ‖W‖² cached", cached[shape]))
+                for label, bsq in offs:
                     ms = bench(lambda W=W, A=A, B=B, bsq=bsq: detached_norm(W, A, B, bsq, s, True))
                     rows.append({"d_out": shape[0], "d_in": shape[1], "r": rank,
                                  "what": label, "ms": ms})  # fmt: skip
