@@ -103,6 +103,12 @@ def lora_gemm_config(M: int, N: int) -> GemmConfig:
 #: at least 16 (tl.dot's minimum).
 LORA_GEMM_BLOCK_K = 64
 
+#: Memory-bound passes (the one-pass norm, the backward scale-and-reduce) split their
+#: reduction until they have this many programs per SM: fewer leave SMs idle (run 25: the norm
+#: pass at 64 programs on 132 SMs read W at 1.2 TB/s).
+PROGRAMS_PER_SM = 2
+
+
 # ---- forward: elementwise compose (kernels/compose.py) ----------------------------------------
 COMPOSE_BLOCK_M = 32
 COMPOSE_BLOCK_N = 128
@@ -115,7 +121,8 @@ class ReduceConfig:
     block_m: int  # tokens per inner step
     block_n: int  # columns per program
     num_warps: int
-    rows_per_program: int  # tokens each program reduces; partials are [cdiv(T, this), d_out]
+    rows_per_program: int  # tokens a program reduces at most (fewer where d_out gives few
+    # column programs: kernels/common.splits_to_fill); partials are [cdiv(T, that), d_out]
 
 
 #: The default first; ``benchmarks/bench_torch_layer.py`` times each at 4096 × 8192
@@ -133,10 +140,6 @@ BWD_CANDIDATES = (
     ReduceConfig(64, 256, 8, 512),
 )
 BWD = BWD_CANDIDATES[0]
-#: Up to this many dy elements (T·d_out) one program walks all tokens of its columns: the pass
-#: is then a few µs of GPU time, and skipping the partial-sum reduction saves a launch (host
-#: time, which bounds such small layers).
-BWD_SINGLE_PASS_ELEMENTS = 1 << 22
 #: Contraction blocks of the zero-magnitude recompute (x W_colsᵀ over d_in, h B_colsᵀ over r).
 BWD_BLOCK_D = 32
 BWD_BLOCK_R = 32
@@ -166,7 +169,12 @@ NORM_ASSEMBLY = "auto"
 #: it against without: compiled step 44.07 vs 45.82 and 44.74 vs 49.96 ms, reduce-overhead
 #: 43.72 vs 43.92, eager (interleaved medians) 55.20 vs 58.19 (benchmarks/NOTES.md, session 8).
 NORM_PASS_MAX_RANK = 32
-NORM_PASS_BLOCKS = (64, 64, 4, 3)
+NORM_PASS_BLOCKS = (64, 128, 4, 4)
+#: How many slices of d_in the pass splits W into (partial U, ‖W‖² and G per slice, summed in
+#: a fixed order by a second kernel that assembles n): None = enough for
+#: ``PROGRAMS_PER_SM`` (``kernels/common.splits_to_fill``); an int forces it (tests).
+NORM_PASS_SPLIT: int | None = None
+NORM_PASS_FINISH_BLOCK_M = 64
 NORM_GEMM_MIN_RANK = 256
 NORM_ROWS_BLOCK_M = 16
 NORM_ROWS_BLOCK_R = 128

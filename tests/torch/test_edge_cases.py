@@ -408,14 +408,16 @@ def test_fused_refuses_tensors_beyond_int32_offsets(monkeypatch):
 @pytest.mark.parametrize("r", [1, 4, 16, 17, 32])
 @pytest.mark.parametrize("cached", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_one_pass_norm_kernel(r, cached, dtype, monkeypatch):
+@pytest.mark.parametrize("split", [1, 2, 3])
+def test_one_pass_norm_kernel(r, cached, dtype, split, monkeypatch):
     """kernels/norm_pass.py against float64 (A rounded to W's dtype, as the precision rule
     says), no worse than 2× the eager tier's error; ‖W‖² from the cache or from its own pass;
-    a zero row of W and B gives n = 0."""
+    d_in whole (split 1) or in slices summed by the finish kernel (2: a 32-wide and a 13-wide
+    slice; 3: one tile each); a zero row of W and B gives n = 0."""
     from dora_torch.kernels.norm_pass import norm_pass, norm_pass_applies
     from dora_torch.norm import detached_norm, rounded_a
 
-    monkeypatch.setattr(config, "NORM_PASS_MAX_RANK", 32)
+    monkeypatch.setattr(config, "NORM_PASS_SPLIT", split)
 
     _, W, A, B, _, _, s = random_case_tensors(9, d_in=45, d_out=37, r=r)
     W = W.to(dtype)
@@ -437,14 +439,55 @@ def test_one_pass_norm_kernel(r, cached, dtype, monkeypatch):
     torch.testing.assert_close(dora_torch.factored_norm(W, A, B, s, impl="fused"), got)
 
 
+def test_split_rule_fills_the_sms(monkeypatch):
+    """``splits_to_fill``: enough splits for PROGRAMS_PER_SM programs per SM, never more than
+    the reduction has tiles, none where the rows already fill the GPU or there are no SMs."""
+    from dora_torch.kernels import common
+
+    monkeypatch.setattr(common, "sm_count", lambda device: 132)
+    monkeypatch.setattr(config, "PROGRAMS_PER_SM", 2)
+    cuda = torch.device("cuda")
+    assert common.splits_to_fill(64, cuda, 32) == 5  # 4096 rows of 64: 320 programs
+    assert common.splits_to_fill(16, cuda, 32) == 17
+    assert common.splits_to_fill(16, cuda, 4) == 4  # capped by the tiles
+    assert common.splits_to_fill(264, cuda, 32) == 1
+    monkeypatch.setattr(common, "sm_count", lambda device: 0)
+    assert common.splits_to_fill(1, cuda, 32) == 1
+
+
 def test_one_pass_norm_kernel_is_not_used_where_it_does_not_apply(monkeypatch):
     from dora_torch.kernels.norm_pass import norm_pass_applies
 
     W = torch.zeros(8, 16)
-    assert not norm_pass_applies(W, 4)  # off by default until measured on the GPU
-    monkeypatch.setattr(config, "NORM_PASS_MAX_RANK", 32)
     assert norm_pass_applies(W, 4)
+    monkeypatch.setattr(config, "NORM_PASS_MAX_RANK", 0)  # off
+    assert not norm_pass_applies(W, 4)
+    monkeypatch.setattr(config, "NORM_PASS_MAX_RANK", 32)
     assert not norm_pass_applies(W, config.NORM_PASS_MAX_RANK + 1)
     assert not norm_pass_applies(W.double(), 4)
     monkeypatch.setattr(config, "NORM_ASSEMBLY", "gemm")
     assert not norm_pass_applies(W, 4)
+
+
+@pytest.mark.parametrize("sms", [0, 132])
+def test_scale_reduce_token_split(sms, monkeypatch):
+    """The backward pass over dy splits the tokens into more chunks where d_out gives too few
+    column programs (``splits_to_fill``; 132 SMs: 13 chunks of 16 tokens here, none: 4 of 64)
+    and the partial sums still add up: dm = Σ_t dy ⊙ inner / n and dbias = Σ_t dy against
+    float64, dy_g = (m / n) ⊙ dy exact to rounding."""
+    from dora_torch.kernels import common
+    from dora_torch.kernels.backward import scale_reduce
+
+    monkeypatch.setattr(common, "sm_count", lambda device: sms)
+    g = torch.Generator().manual_seed(3)
+    dy, inner = torch.randn(200, 40, generator=g), torch.randn(200, 40, generator=g)
+    m, n = torch.rand(40, generator=g) + 0.5, torch.rand(40, generator=g) + 0.5
+    dyg, _, dm, dbias = scale_reduce(dy, inner, m, n, recover=False, dropout=False, need_dbias=True)
+    terms, n64 = dy.double() * inner.double(), n.double()
+    eps = torch.finfo(torch.float32).eps
+    # fp32 summation over 200 tokens: |error| ≤ 200·eps·Σ|terms| (a loose, order-free bound)
+    dm_err = (dm.double() - terms.sum(0) / n64).abs()
+    assert (dm_err <= 200 * eps * terms.abs().sum(0) / n64).all()
+    db_err = (dbias.double() - dy.double().sum(0)).abs()
+    assert (db_err <= 200 * eps * dy.double().abs().sum(0)).all()
+    torch.testing.assert_close(dyg, (m / n) * dy)
