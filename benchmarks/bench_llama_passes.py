@@ -18,6 +18,7 @@ them).
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import pathlib
 from dataclasses import replace
@@ -87,13 +88,10 @@ def reduce_rows() -> list[dict]:
         if TOKENS * d_out <= 1 << 22:  # where the old rule took one chunk
             variants["one chunk (before)"] = before
         for name, cfg in variants.items():
-
-            def call(cfg=cfg):
-                return scale_reduce(
-                    dy, inner, m, n, recover=False, dropout=False, need_dbias=False,
-                    reduce_config=cfg,
-                )  # fmt: skip
-
+            call = functools.partial(
+                scale_reduce, dy, inner, m, n, recover=False, dropout=False, need_dbias=False,
+                reduce_config=cfg,
+            )  # fmt: skip
             err = ((call()[2].double() - ref).abs() / scale).max().item()
             ms = _bench(call)
             rows.append({"pass": "scale_reduce", "d_out": d_out, "tokens": TOKENS,
