@@ -6,9 +6,12 @@ zeros so the column branch can occur), batch 1 × 2048. A step is what a user of
 ``dora_jax.scalora_step`` runs: a jitted ``nnx.grad`` of the LM loss w.r.t. the adapters,
 ``scalora_step`` (every step, or ScaLoRA-I with I = 10, 100, given the loop's step counter
 as a Python int so that non-merge steps return on the host), a jitted ``optimizer.update``
-(optax AdamW). Variants and statistics as in ``bench_scalora_torch``: the mean step time over
-max(20, I) steps after 3 warm-up steps (ScaLoRA-I's cost is amortised), and the device's
-peak memory (``memory_stats``; not reported on CPU). Ratios against ``lora`` of the same rank.
+(optax AdamW). Variants and statistics as in ``bench_scalora_torch``: the mean step time after
+3 warm-up steps over max(20, largest I of the variants run) steps, the same count for every
+variant of a rank (ScaLoRA-I's cost is amortised; under JAX's asynchronous dispatch a longer
+loop may run further ahead of the GPU and hold more steps' buffers, so peaks are compared
+over equal loops), and the device's peak memory (``memory_stats``; not reported on CPU).
+Ratios against ``lora`` of the same rank.
 JAX's GPU client cannot reset its peak, so a process's peak covers every variant it ran: without
 ``--isolate`` (one process per variant) such peaks are not reported (run 15's in-process peaks
 were printed and were not comparable).
@@ -63,11 +66,17 @@ def _model(rank: int, n_layers: int, tiny: bool):
 
 
 def measure(
-    rank: int, interval: int, *, layers: int = 8, tiny: bool = False, own_process: bool = False
+    rank: int,
+    interval: int,
+    *,
+    steps: int | None = None,
+    layers: int = 8,
+    tiny: bool = False,
+    own_process: bool = False,
 ) -> dict:
-    """One variant. ``own_process``: nothing else ran in this process, so its device peak is
-    this variant's even where the peak cannot be reset; otherwise such a peak is not reported
-    (None)."""
+    """One variant over ``steps`` timed steps (default max(20, interval)). ``own_process``:
+    nothing else ran in this process, so its device peak is this variant's even where the
+    peak cannot be reset; otherwise such a peak is not reported (None)."""
     import jax
     import jax.numpy as jnp
     import optax
@@ -114,7 +123,7 @@ def measure(
     resettable = hasattr(device, "reset_memory_stats")
     if "peak_bytes_in_use" in stats and resettable:
         device.reset_memory_stats()
-    steps = max(20, interval)
+    steps = max(20, interval) if steps is None else steps
     t0 = time.perf_counter()
     for _ in range(steps):
         step()
@@ -128,12 +137,12 @@ def measure(
             "peak_gib": None if peak is None else round(peak / GIB, 3)}  # fmt: skip
 
 
-def _isolated(rank: int, interval: int, *, layers: int, tiny: bool) -> dict:
+def _isolated(rank: int, interval: int, *, steps: int, layers: int, tiny: bool) -> dict:
     """``measure`` in a fresh Python process (its own device peak)."""
     from dora_jax import config as dora_config
 
     args = [sys.executable, "-m", "benchmarks.bench_scalora_jax", "--one", str(rank),
-            str(interval), "--layers", str(layers), "--eigh",
+            str(interval), str(steps), "--layers", str(layers), "--eigh",
             dora_config.SCALORA_EIGH_ON_GPU] + (["--tiny"] if tiny else [])  # fmt: skip
     done = subprocess.run(args, capture_output=True, text=True, check=False)
     if done.returncode != 0:
@@ -146,15 +155,15 @@ def _bench(out_dir, ranks, *, layers: int = 8, tiny: bool = False, isolate: bool
     import jax
 
     rows, summary = [], []
+    chosen = {n: i for n, i in VARIANTS.items() if n in variants or n == "lora"}  # LoRA: baseline
+    steps = max(20, *chosen.values())
     for rank in ranks:
         got = {}
-        for name, interval in VARIANTS.items():
-            if name not in variants and name != "lora":  # LoRA is every ratio's baseline
-                continue
+        for name, interval in chosen.items():
             if isolate:
-                got[name] = _isolated(rank, interval, layers=layers, tiny=tiny)
+                got[name] = _isolated(rank, interval, steps=steps, layers=layers, tiny=tiny)
             else:
-                got[name] = measure(rank, interval, layers=layers, tiny=tiny)
+                got[name] = measure(rank, interval, steps=steps, layers=layers, tiny=tiny)
                 jax.clear_caches()
         rows += variant_rows("scalora_jax", rank, got)
         summary += summary_rows("scalora_jax", rank, got)
@@ -178,7 +187,7 @@ def main(argv=None) -> int:
     ap.add_argument("--eigh", default="qr", choices=["qr", "jax"],
                     help="dora_jax.config.SCALORA_EIGH_ON_GPU for this run")  # fmt: skip
     ap.add_argument(
-        "--one", type=int, nargs=2, metavar=("RANK", "INTERVAL"), help=argparse.SUPPRESS
+        "--one", type=int, nargs=3, metavar=("RANK", "INTERVAL", "STEPS"), help=argparse.SUPPRESS
     )  # a child of --isolate: print one JSON row
     args = ap.parse_args(argv)
     from dora_jax import config as dora_config
@@ -186,7 +195,10 @@ def main(argv=None) -> int:
     dora_config.SCALORA_EIGH_ON_GPU = args.eigh
     print(f"[scalora_jax] eigensolver on GPUs: {args.eigh}", flush=True)
     if args.one:
-        print(json.dumps(measure(*args.one, layers=args.layers, tiny=args.tiny, own_process=True)))
+        rank, interval, steps = args.one
+        row = measure(rank, interval, steps=steps, layers=args.layers, tiny=args.tiny,
+                      own_process=True)  # fmt: skip
+        print(json.dumps(row))
         return 0
     summary = _bench(args.out, args.ranks, layers=args.layers, tiny=args.tiny,
                      isolate=args.isolate, variants=args.variants)  # fmt: skip
