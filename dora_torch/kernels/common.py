@@ -25,9 +25,11 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+@torch.compiler.assume_constant_result
 def sm_count(device: torch.device) -> int:
     """Streaming multiprocessors of a CUDA device (a hardware constant, read once per device);
-    0 for other devices (the interpreter)."""
+    0 for other devices (the interpreter). Dynamo calls it while tracing and keeps the
+    result as a constant, instead of tracing into the device query and the cache."""
     if device.type != "cuda":
         return 0
     return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
