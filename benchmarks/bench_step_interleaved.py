@@ -38,7 +38,8 @@ VARIANTS = {
     "ours_layer_norms": ("ours", {"NORM_GROUP_GRAPHS": False}),
     "ours_triton_launch": ("ours", {"NORM_GROUP_GRAPHS": False, "FAST_TRITON_LAUNCH": False}),
     "ours_kernel_assembly": ("ours", {"NORM_ASSEMBLY": "kernel"}),
-    "ours_norm_pass": ("ours", {"NORM_PASS_MAX_RANK": 32}),
+    "ours_no_norm_pass": ("ours", {"NORM_PASS_MAX_RANK": 0}),
+    "ours_no_split": ("ours", {"PROGRAMS_PER_SM": 0}),
     "peft_dora": ("peft_dora", {}),
 }
 SWITCHES = sorted({key for _, overrides in VARIANTS.values() for key in overrides})
