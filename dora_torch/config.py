@@ -165,9 +165,9 @@ NORM_ASSEMBLY = "auto"
 #: Up to this rank the fused tier computes the whole norm in one pass over W
 #: (``kernels/norm_pass.py``: U, G and, when not cached, ‖W‖² never reach memory), where the
 #: kernel assembly is chosen; (BLOCK_M, BLOCK_D, warps, stages) of that kernel
-#: (``benchmarks/bench_norm_pass.py`` sweeps them). Runs 25-27 (r = 16, batch 1, bf16), ours with
-#: it against without: compiled step 44.07 vs 45.82 and 44.74 vs 49.96 ms, reduce-overhead
-#: 43.72 vs 43.92, eager (interleaved medians) 55.20 vs 58.19 (benchmarks/NOTES.md, session 8).
+#: (``benchmarks/bench_norm_pass.py`` sweeps them). On because the training step was faster
+#: with it in every mode measured (eager, compile, reduce-overhead: benchmarks/NOTES.md,
+#: session 8).
 NORM_PASS_MAX_RANK = 32
 NORM_PASS_BLOCKS = (64, 128, 4, 4)
 #: How many slices of d_in the pass splits W into (partial U, ‖W‖² and G per slice, summed in
