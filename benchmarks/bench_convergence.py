@@ -1,14 +1,20 @@
 """Convergence: ours vs PEFT's DoRA over many steps, same seed, same batches (the demo's loop).
 
 The ``small`` demo config (8-layer Llama, hidden 512, byte vocabulary, DoRA r = 16 on all seven
-projections) fine-tuned on the demo corpus in bf16 on the GPU, once with PEFT's DoRA (fp32
-adapters, PEFT's default) and once with the same PEFT model accelerated by
-``dora_torch.interop.accelerate_peft``. Reports the mean and max per-step |Δloss| (the DoRA
-paper reports a mean of 7.1e-4 over 2000 steps) against the demo's bf16 thresholds, and the
-median step times. Writes ``convergence.csv`` (per step) and ``convergence.png``.
+projections) fine-tuned on the demo corpus in bf16 on the GPU, once with PEFT's DoRA and once
+with the same PEFT model accelerated by ``dora_torch.interop.accelerate_peft``, in both of
+PEFT's adapter settings (``DORA_BENCH_CONV_ADAPTERS``, default ``fp32,bf16``):
+  - ``fp32``: PEFT's default (``autocast_adapter_dtype=True``): fp32 adapters, and PEFT runs
+    the whole adapter branch in fp32, while ours takes activation-dtype (bf16) operands with
+    fp32 accumulation (docs/design.md §5), a lower precision in that branch;
+  - ``bf16``: ``autocast_adapter_dtype=False``: bf16 adapters, the same operand precision on
+    both sides.
+Reports, per setting, the mean and max per-step |Δloss| (the DoRA paper reports a mean of
+7.1e-4 over 2000 steps) against the demo's bf16 thresholds. Writes ``convergence.csv`` and
+``convergence.png`` (fp32 setting) and ``convergence_bf16.{csv,png}``.
 
-Noise floor: PEFT's own run-to-run spread, from PEFT's DoRA run again with one equally valid
-change each, against the first PEFT run:
+Noise floor: PEFT's own run-to-run spread in the same setting, from PEFT's DoRA run again with
+one equally valid change each, against the first PEFT run:
   - ``peft_ulp``: every lora_A nudged by one ulp of its dtype at initialisation (the size of
     a single rounding difference, which a chaotic 2000-step trajectory amplifies like any
     other);
@@ -42,115 +48,119 @@ def steps() -> int:
     return int(os.environ.get("DORA_BENCH_CONV_STEPS", "2000"))
 
 
+#: PEFT's adapter settings: name → ``autocast_adapter_dtype``.
+SETTINGS = {"fp32": True, "bf16": False}
+
+
+def settings() -> list[str]:
+    names = [v for v in os.environ.get("DORA_BENCH_CONV_ADAPTERS", "fp32,bf16").split(",") if v]
+    unknown = [v for v in names if v not in SETTINGS]
+    if unknown or not names:
+        raise ValueError(
+            f"DORA_BENCH_CONV_ADAPTERS must list settings of {tuple(SETTINGS)}; got {names}"
+        )
+    return names
+
+
 def run(out_dir: pathlib.Path) -> list[dict]:
     import torch
 
     from benchmarks.plots import line_plot
     from examples.configs import get_config
-    from examples.demo import THRESHOLDS, delta_panel
+    from examples.demo import delta_panel
     from examples.report import write_curves_csv
 
     if not torch.cuda.is_available():
         raise RuntimeError("bench_convergence needs a CUDA GPU")
     cfg = replace(get_config("small"), steps=steps())
+    chosen = settings()
     parallel = os.environ.get("DORA_BENCH_CONV_PARALLEL", "1") != "0"
-    print(f"[convergence] config {cfg.name}, {cfg.steps} steps, bf16 on cuda, "
-          f"{'one process per run, all at once' if parallel else 'serial'}")  # fmt: skip
+    print(f"[convergence] config {cfg.name}, {cfg.steps} steps, bf16 on cuda, adapters "
+          f"{chosen}, {'one process per run, all at once' if parallel else 'serial'}")  # fmt: skip
     out_dir = pathlib.Path(out_dir)
+    jobs = [(kind, setting) for setting in chosen for kind in JOBS]
     if parallel:
-        runs = _parallel_runs(cfg.steps, out_dir)
+        runs = _parallel_runs(jobs, cfg.steps, out_dir)
     else:
-        runs = {kind: train_one(kind, cfg.steps) for kind in JOBS}
-    peft = np.asarray(runs["peft"].losses)
-    delta = np.abs(peft - np.asarray(runs["ours"].losses))
-    spreads = {kind: np.abs(peft - np.asarray(runs[kind].losses)) for kind in FLOORS}
+        runs = {job: train_one(*job, n_steps=cfg.steps) for job in jobs}
+    summary = []
+    for setting in chosen:
+        got = {kind: runs[kind, setting] for kind in JOBS}
+        rows, curves, delta = setting_summary(setting, got, cfg.steps)
+        summary += rows
+        if not parallel:
+            curves.update(ms_peft=got["peft"].step_ms, ms_ours=got["ours"].step_ms)
+        stem = "convergence" if setting == "fp32" else f"convergence_{setting}"
+        write_curves_csv(out_dir / f"{stem}.csv", curves)
+        x = list(range(1, cfg.steps + 1))
+        line_plot(
+            out_dir / f"{stem}.png",
+            {
+                "PEFT DoRA": (x, got["peft"].losses),
+                "ours (accelerate_peft)": (x, got["ours"].losses),
+                **{f"PEFT DoRA, {k} (noise floor)": (x, got[k].losses) for k in FLOORS},
+            },
+            title=f"DoRA convergence, {cfg.name} Llama, bf16, {setting} adapters, "
+            f"mean |Δloss| {delta.mean():.2e}",
+            xlabel="step",
+            ylabel="training loss (nats/byte)",
+            lower=delta_panel(x, delta),
+            lower_ylabel="|Δloss|",
+        )
+    return summary
+
+
+def setting_summary(setting: str, got: dict, n_steps: int) -> tuple[list[dict], dict, np.ndarray]:
+    """The summary rows, the per-step curves and ours' |Δloss| of one adapter setting, from
+    ``got``: every kind of ``JOBS`` → a run with ``.losses`` (and ``.median_step_ms`` when
+    the runs were serial)."""
+    from examples.demo import THRESHOLDS
+
+    peft = np.asarray(got["peft"].losses)
+    delta = np.abs(peft - np.asarray(got["ours"].losses))
+    spreads = {kind: np.abs(peft - np.asarray(got[kind].losses)) for kind in FLOORS}
     floor_mean = max(v.mean() for v in spreads.values())
     floor_max = max(v.max() for v in spreads.values())
-
-    curves = {"loss_peft": runs["peft"].losses, "loss_ours": runs["ours"].losses,
+    curves = {"loss_peft": got["peft"].losses, "loss_ours": got["ours"].losses,
               "abs_delta": delta.tolist()}  # fmt: skip
     for kind, spread in spreads.items():
-        curves[f"loss_{kind}"] = runs[kind].losses
+        curves[f"loss_{kind}"] = got[kind].losses
         curves[f"abs_delta_{kind}"] = spread.tolist()
-    if not parallel:
-        curves.update(ms_peft=runs["peft"].step_ms, ms_ours=runs["ours"].step_ms)
-    write_curves_csv(out_dir / "convergence.csv", curves)
-    x = list(range(1, cfg.steps + 1))
-    line_plot(
-        out_dir / "convergence.png",
-        {
-            "PEFT DoRA": (x, runs["peft"].losses),
-            "ours (accelerate_peft)": (x, runs["ours"].losses),
-            **{f"PEFT DoRA, {kind} (noise floor)": (x, runs[kind].losses) for kind in FLOORS},
-        },
-        title=f"DoRA convergence, {cfg.name} Llama, bf16, mean |Δloss| {delta.mean():.2e}",
-        xlabel="step",
-        ylabel="training loss (nats/byte)",
-        lower=delta_panel(x, delta),
-        lower_ylabel="|Δloss|",
-    )
     t = THRESHOLDS["bf16"]
-    tag = f"{cfg.steps} steps bf16"
-    return [
-        dict(
-            bench="convergence",
-            metric=f"mean |Δloss| ({tag}; paper {PAPER_MEAN_DELTA})",
-            value=float(delta.mean()),
-            target=f"<= {t['loss_mean']}",
-            ok=bool(delta.mean() <= t["loss_mean"]),
-        ),
-        dict(
-            bench="convergence",
-            metric=f"max |Δloss| ({tag})",
-            value=float(delta.max()),
-            target=f"<= {t['loss_max']}",
-            ok=bool(delta.max() <= t["loss_max"]),
-        ),
-        dict(
-            bench="convergence",
-            metric=f"mean |Δloss| within PEFT's own floor ({floor_mean:.2e}, {tag})",
-            value=float(delta.mean() / max(floor_mean, 1e-30)),
-            target="<= 1",
-            ok=bool(delta.mean() <= floor_mean),
-        ),
-        dict(
-            bench="convergence",
-            metric=f"max |Δloss| within PEFT's own floor ({floor_max:.2e}, {tag})",
-            value=float(delta.max() / max(floor_max, 1e-30)),
-            target="<= 1",
-            ok=bool(delta.max() <= floor_max),
-        ),
-        *(
-            dict(
-                bench="convergence",
-                metric=f"{stat} |Δloss| PEFT vs {kind} ({tag})",
-                value=float(getattr(spread, stat)()),
-            )
-            for kind, spread in spreads.items()
-            for stat in ("mean", "max")
-        ),
-        dict(bench="convergence", metric="final loss PEFT DoRA", value=runs["peft"].losses[-1]),
-        dict(bench="convergence", metric="final loss ours", value=runs["ours"].losses[-1]),
-    ] + (
-        []
-        if parallel
-        else [
-            dict(
-                bench="convergence",
-                metric="step time PEFT/ours (median)",
-                value=runs["peft"].median_step_ms / runs["ours"].median_step_ms,
-            )
-        ]
-    )
+    tag = f"{n_steps} steps bf16, {setting} adapters"
+
+    def row(metric, value, target=None, ok=None):
+        out = dict(bench="convergence", metric=metric, value=float(value))
+        return out if target is None else {**out, "target": target, "ok": bool(ok)}
+
+    rows = [
+        row(f"mean |Δloss| ({tag}; paper {PAPER_MEAN_DELTA})", delta.mean(),
+            f"<= {t['loss_mean']}", delta.mean() <= t["loss_mean"]),
+        row(f"max |Δloss| ({tag})", delta.max(), f"<= {t['loss_max']}",
+            delta.max() <= t["loss_max"]),
+        row(f"mean |Δloss| within PEFT's own floor ({floor_mean:.2e}, {tag})",
+            delta.mean() / max(floor_mean, 1e-30), "<= 1", delta.mean() <= floor_mean),
+        row(f"max |Δloss| within PEFT's own floor ({floor_max:.2e}, {tag})",
+            delta.max() / max(floor_max, 1e-30), "<= 1", delta.max() <= floor_max),
+        *(row(f"{stat} |Δloss| PEFT vs {kind} ({tag})", getattr(spread, stat)())
+          for kind, spread in spreads.items() for stat in ("mean", "max")),
+        row(f"final loss PEFT DoRA ({setting} adapters)", got["peft"].losses[-1]),
+        row(f"final loss ours ({setting} adapters)", got["ours"].losses[-1]),
+    ]  # fmt: skip
+    if hasattr(got["peft"], "median_step_ms"):
+        rows.append(row(f"step time PEFT/ours (median, {setting} adapters)",
+                        got["peft"].median_step_ms / got["ours"].median_step_ms))  # fmt: skip
+    return rows, curves, delta
 
 
-#: The noise-floor runs (see the module doc) and every training the bench runs.
+#: The noise-floor runs (see the module doc) and every training the bench runs per setting.
 FLOORS = ("peft_ulp", "peft_cublaslt")
 JOBS = ("peft", "ours", *FLOORS)
 
 
-def train_one(kind: str, n_steps: int):
-    """One of ``JOBS`` from scratch: the demo's data, base and adapter init (seed 0), bf16."""
+def train_one(kind: str, setting: str = "fp32", *, n_steps: int):
+    """One of ``JOBS`` in one of ``SETTINGS`` from scratch: the demo's data, base and adapter
+    init (seed 0), bf16."""
     import torch
 
     from examples.configs import get_config
@@ -159,25 +169,28 @@ def train_one(kind: str, n_steps: int):
 
     if kind not in JOBS:
         raise ValueError(f"kind must be one of {JOBS}; got {kind!r}")
+    if setting not in SETTINGS:
+        raise ValueError(f"setting must be one of {tuple(SETTINGS)}; got {setting!r}")
     cfg = replace(get_config("small"), steps=n_steps)
     batches, _, tok = stage_data(cfg, seed=0)
     base = build_base_model(cfg, vocab_size=tok.vocab_size, seed=0)
     work = base.to(device="cuda", dtype=torch.bfloat16)
-    model = peft_dora(work, cfg, seed=0)
+    model = peft_dora(work, cfg, seed=0, autocast_adapter_dtype=SETTINGS[setting])
     if kind == "ours":
         model = OURS["accelerate"].from_peft(model, work)
     if kind == "peft_ulp":
         with torch.no_grad():
             for name, p in model.named_parameters():
-                if "lora_A" in name:
-                    p.copy_(torch.nextafter(p, torch.full_like(p, float("inf"))))
+                if "lora_A" in name:  # on the CPU: nextafter for every dtype there
+                    up = torch.nextafter(p.cpu(), torch.full_like(p.cpu(), float("inf")))
+                    p.copy_(up)
     if kind == "peft_cublaslt":
         torch.backends.cuda.preferred_blas_library("cublaslt")
-    return train(model, batches, lr=cfg.lr, device="cuda", desc=kind)
+    return train(model, batches, lr=cfg.lr, device="cuda", desc=f"{kind}:{setting}")
 
 
-def _parallel_runs(n_steps: int, out_dir: pathlib.Path) -> dict:
-    """``train_one`` for every job, each in its own process, all at once."""
+def _parallel_runs(jobs, n_steps: int, out_dir: pathlib.Path) -> dict:
+    """``train_one`` for every (kind, setting) job, each in its own process, all at once."""
     import json
     import subprocess
     import sys
@@ -185,27 +198,29 @@ def _parallel_runs(n_steps: int, out_dir: pathlib.Path) -> dict:
 
     out_dir.mkdir(parents=True, exist_ok=True)
     procs = {}
-    for kind in JOBS:
-        path = out_dir / f"convergence_{kind}.json"
-        cmd = [sys.executable, "-m", "benchmarks.bench_convergence", kind, str(n_steps), str(path)]
-        procs[kind] = (subprocess.Popen(cmd), path)
-    failed = [kind for kind, (proc, _) in procs.items() if proc.wait() != 0]
+    for kind, setting in jobs:
+        path = out_dir / f"convergence_{kind}_{setting}.json"
+        cmd = [sys.executable, "-m", "benchmarks.bench_convergence", kind, setting,
+               str(n_steps), str(path)]  # fmt: skip
+        procs[kind, setting] = (subprocess.Popen(cmd), path)
+    failed = [job for job, (proc, _) in procs.items() if proc.wait() != 0]
     if failed:
         raise RuntimeError(f"convergence jobs failed: {failed}")
     runs = {}
-    for kind, (_, path) in procs.items():
-        runs[kind] = SimpleNamespace(**json.loads(path.read_text()))
+    for job, (_, path) in procs.items():
+        runs[job] = SimpleNamespace(**json.loads(path.read_text()))
         path.unlink()
     return runs
 
 
 def main(argv=None) -> int:
-    """``python -m benchmarks.bench_convergence KIND STEPS OUT.json``: one job (see ``run``)."""
+    """``python -m benchmarks.bench_convergence KIND SETTING STEPS OUT.json``: one job (see
+    ``run``)."""
     import json
     import sys
 
-    kind, n_steps, path = argv if argv is not None else sys.argv[1:]
-    result = train_one(kind, int(n_steps))
+    kind, setting, n_steps, path = argv if argv is not None else sys.argv[1:]
+    result = train_one(kind, setting, n_steps=int(n_steps))
     pathlib.Path(path).write_text(json.dumps({"losses": result.losses}))
     return 0
 
