@@ -23,7 +23,7 @@ import os
 import pathlib
 from dataclasses import replace
 
-from benchmarks.bench_norm_pass import LAYER_SHAPES, _inputs, _reference, _rel_err
+from benchmarks.bench_norm_pass import LAYER_SHAPES, reference_norm, rel_err, weights_of
 from benchmarks.measure import write_csv
 
 TOKENS = 2048
@@ -50,13 +50,13 @@ def norm_rows(rank=16, s=2.0) -> list[dict]:
     try:
         with torch.no_grad():
             for shape in LAYER_SHAPES:
-                W, A, B = _inputs(*shape, rank)
-                ref = _reference(W, A, B, s)
+                W, A, B = weights_of(*shape, rank)
+                ref = reference_norm(W, A, B, s)
                 for cached in (False, True):
                     bsq = base_sq_norm(W) if cached else None
                     for split in (1, None):
                         config.NORM_PASS_SPLIT = split
-                        err = _rel_err(norm_pass(W, A, B, bsq, s), ref)
+                        err = rel_err(norm_pass(W, A, B, bsq, s), ref)
                         ms = _bench(lambda W=W, A=A, B=B, bsq=bsq: norm_pass(W, A, B, bsq, s))
                         rows.append({"pass": "norm", "d_out": shape[0], "d_in": shape[1],
                                      "cached": cached, "variant": "rows only" if split else

@@ -34,7 +34,7 @@ CONFIGS = [
 MAX_REL_ERR = 1e-4  # fp32 accumulation of a 16-bit W: ~1e-6 in practice
 
 
-def _inputs(d_out, d_in, r):
+def weights_of(d_out, d_in, r):
     import torch
 
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -44,12 +44,12 @@ def _inputs(d_out, d_in, r):
     return W, A, B
 
 
-def _reference(W, A, B, s):
+def reference_norm(W, A, B, s):
     V = W.double() + s * (B.double() @ A.double())
     return V.norm(dim=1)
 
 
-def _rel_err(n, ref) -> float:
+def rel_err(n, ref) -> float:
     return ((n.double() - ref).abs() / ref).max().item()
 
 
@@ -64,8 +64,8 @@ def sweep(rank: int = 16, top: int = 6, s: float = 2.0) -> tuple[list[dict], tup
     def bench(f):
         return triton.testing.do_bench(f, warmup=10, rep=50, return_mode="median")
 
-    data = {shape: _inputs(*shape, rank) for shape in LAYER_SHAPES}
-    refs = {shape: _reference(*data[shape], s) for shape in LAYER_SHAPES}
+    data = {shape: weights_of(*shape, rank) for shape in LAYER_SHAPES}
+    refs = {shape: reference_norm(*data[shape], s) for shape in LAYER_SHAPES}
     cached = {shape: base_sq_norm(data[shape][0]) for shape in LAYER_SHAPES}
     rows, totals = [], {}
     saved = (config.NORM_PASS_BLOCKS, config.NORM_PASS_MAX_RANK)
@@ -82,7 +82,7 @@ def sweep(rank: int = 16, top: int = 6, s: float = 2.0) -> tuple[list[dict], tup
                 config.NORM_PASS_BLOCKS = cfg
                 total, worst = 0.0, 0.0
                 for shape, (W, A, B) in data.items():
-                    err = _rel_err(norm_pass(W, A, B, None, s), refs[shape])
+                    err = rel_err(norm_pass(W, A, B, None, s), refs[shape])
                     ms = bench(lambda W=W, A=A, B=B: norm_pass(W, A, B, None, s))
                     gbps = W.numel() * W.element_size() / (ms * 1e-3) / 1e9
                     rows.append({"d_out": shape[0], "d_in": shape[1], "r": rank,
@@ -98,7 +98,7 @@ def sweep(rank: int = 16, top: int = 6, s: float = 2.0) -> tuple[list[dict], tup
                 config.NORM_PASS_BLOCKS = cfg
                 for shape, (W, A, B) in data.items():
                     bsq = cached[shape]
-                    err = _rel_err(norm_pass(W, A, B, bsq, s), refs[shape])
+                    err = rel_err(norm_pass(W, A, B, bsq, s), refs[shape])
                     ms = bench(lambda W=W, A=A, B=B, bsq=bsq: norm_pass(W, A, B, bsq, s))
                     rows.append({"d_out": shape[0], "d_in": shape[1], "r": rank,
                                  "what": "pass, ‖W‖² cached", "config": cfg, "ms": ms,
