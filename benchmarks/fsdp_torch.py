@@ -107,6 +107,7 @@ def _profile(step, sync, path: pathlib.Path) -> None:
     if dist.get_rank() == 0:
         ka = prof.key_averages()
         sort = "self_cuda_time_total" if len(activities) > 1 else "self_cpu_time_total"
+        path.parent.mkdir(parents=True, exist_ok=True)
         with path.open("w") as f:
             f.write(ka.table(sort_by=sort, row_limit=30) + "\n")
             f.write(ka.table(sort_by="self_cpu_time_total", row_limit=30) + "\n")
