@@ -1,11 +1,13 @@
 """The two memory-bound passes of a DoRA layer on the shapes of one Llama-8B decoder layer at
 batch 1 × 2048 tokens, r = 16, bf16, with and without the split rule
-(``dora_torch.kernels.common.splits_to_fill``):
+(``dora_torch.kernels.common.splits_to_fill``, on at ``config.PROGRAMS_PER_SM`` =
+``--programs-per-sm``, default 2, whatever the library's default):
 
   - the one-pass norm (``kernels/norm_pass.py``), ‖W‖² computed and cached: d_in in slices
     (``config.NORM_PASS_SPLIT = None``) against whole rows only (``1``);
   - the backward scale-and-reduce (``kernels/backward.py``) over dy [2048, d_out]: tokens in
-    as many chunks as fill the SMs, against the rule before session 8 (one program per column
+    as many chunks as fill the SMs ("split rule"), in chunks of ``rows_per_program`` (the
+    rule off, ``PROGRAMS_PER_SM = 0``), and as before session 8 (one program per column
     block walking all 2048 tokens wherever T·d_out ≤ 2²²).
 
 Each result is checked against float64 (a fast wrong variant is reported as such). Writes
@@ -18,6 +20,7 @@ them).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import os
 import pathlib
@@ -32,13 +35,25 @@ D_OUTS = {4096: 3, 1024: 2, 14336: 2}
 MAX_REL_ERR = 1e-4
 
 
+@contextlib.contextmanager
+def _programs_per_sm(n: int):
+    from dora_torch import config
+
+    saved = config.PROGRAMS_PER_SM
+    config.PROGRAMS_PER_SM = n
+    try:
+        yield
+    finally:
+        config.PROGRAMS_PER_SM = saved
+
+
 def _bench(f):
     import triton.testing
 
     return triton.testing.do_bench(f, warmup=10, rep=50, return_mode="median")
 
 
-def norm_rows(rank=16, s=2.0) -> list[dict]:
+def norm_rows(programs_per_sm: int, rank=16, s=2.0) -> list[dict]:
     import torch
 
     from dora_torch import config
@@ -48,7 +63,7 @@ def norm_rows(rank=16, s=2.0) -> list[dict]:
     rows = []
     saved = config.NORM_PASS_SPLIT
     try:
-        with torch.no_grad():
+        with torch.no_grad(), _programs_per_sm(programs_per_sm):
             for shape in LAYER_SHAPES:
                 W, A, B = weights_of(*shape, rank)
                 ref = reference_norm(W, A, B, s)
@@ -67,7 +82,7 @@ def norm_rows(rank=16, s=2.0) -> list[dict]:
     return rows
 
 
-def reduce_rows() -> list[dict]:
+def reduce_rows(programs_per_sm: int) -> list[dict]:
     import torch
 
     from dora_torch import config
@@ -84,16 +99,17 @@ def reduce_rows() -> list[dict]:
         terms = dy.double() * inner.double()
         ref = terms.sum(0) / n.double()
         scale = terms.abs().sum(0) / n.double()
-        variants = {"split rule": None}
+        variants = {"split rule": (None, programs_per_sm), "rule off": (None, 0)}
         if TOKENS * d_out <= 1 << 22:  # where the old rule took one chunk
-            variants["one chunk (before)"] = before
-        for name, cfg in variants.items():
+            variants["one chunk (before)"] = (before, 0)
+        for name, (cfg, per_sm) in variants.items():
             call = functools.partial(
                 scale_reduce, dy, inner, m, n, recover=False, dropout=False, need_dbias=False,
                 reduce_config=cfg,
             )  # fmt: skip
-            err = ((call()[2].double() - ref).abs() / scale).max().item()
-            ms = _bench(call)
+            with _programs_per_sm(per_sm):  # read at each call: the timed calls need it too
+                err = ((call()[2].double() - ref).abs() / scale).max().item()
+                ms = _bench(call)
             rows.append({"pass": "scale_reduce", "d_out": d_out, "tokens": TOKENS,
                          "variant": name, "ms": ms, "max_rel_err": err,
                          "ok": err <= MAX_REL_ERR})  # fmt: skip
@@ -103,8 +119,9 @@ def reduce_rows() -> list[dict]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "out") + "/bench")
+    ap.add_argument("--programs-per-sm", type=int, default=2, help="the split rule's target")
     args = ap.parse_args(argv)
-    rows = norm_rows() + reduce_rows()
+    rows = norm_rows(args.programs_per_sm) + reduce_rows(args.programs_per_sm)
     for row in rows:
         print(f"[llama_passes] {row}", flush=True)
     for cached in (False, True):
@@ -118,7 +135,7 @@ def main(argv=None) -> int:
     for r in rows:
         if r["pass"] == "scale_reduce":
             reduce[r["d_out"]][r["variant"]] = r["ms"]
-    for variant in ("split rule", "one chunk (before)"):
+    for variant in ("split rule", "rule off", "one chunk (before)"):
         total = sum(D_OUTS[d] * v.get(variant, v["split rule"]) for d, v in reduce.items())
         print(f"[llama_passes] scale_reduce, {variant}: layer {total * 1e3:.1f} µs")
     write_csv(pathlib.Path(args.out) / "llama_passes.csv", rows)

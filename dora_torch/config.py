@@ -105,8 +105,10 @@ LORA_GEMM_BLOCK_K = 64
 
 #: Memory-bound passes (the one-pass norm, the backward scale-and-reduce) split their
 #: reduction until they have this many programs per SM: fewer leave SMs idle (run 29: the norm
-#: pass at 64 programs on 132 SMs read W at 1.2 TB/s). 0 turns the splitting off.
-PROGRAMS_PER_SM = 2
+#: pass at 64 programs on 132 SMs read W at 1.2 TB/s). 0 turns the splitting off: the default
+#: until the split kernels have run on a GPU (tested through the interpreter and compiled for
+#: sm_90 only; benchmarks/NOTES.md, session 9). 2 is the value the benches try.
+PROGRAMS_PER_SM = 0
 
 
 # ---- forward: elementwise compose (kernels/compose.py) ----------------------------------------

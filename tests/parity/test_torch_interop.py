@@ -78,28 +78,44 @@ def test_accelerate_peft_matches_peft_outputs_and_grads(impl):
 
 def test_accelerated_model_under_activation_checkpointing_matches_peft():
     """transformers' activation checkpointing (non-reentrant) re-runs each decoder layer in
-    backward: the recomputed forward must read the same cached norm, so loss and adapter
-    gradients equal PEFT's, over two AdamW steps (the second after a cache-invalidating
-    update)."""
+    backward: the recomputed forward must read the same cached norm. Over three AdamW steps
+    (each after a cache-invalidating update) the checkpointed model's loss and adapter
+    gradients equal, bit for bit, those of the same model without checkpointing and those
+    computed again after ``clear_caches``; before any update they match PEFT's to 1e-5.
+
+    After an update the comparison with PEFT is not a test of the cache: AdamW's first steps
+    are ±lr wherever a gradient is far below its eps-free scale, so float32 rounding in either
+    model moves whole elements (PEFT's own float32 run drifts from float64 by ~5e-6 in the
+    gradients after one step, ours by ~1e-5, varying with the library versions)."""
     models = []
-    for accelerate in (False, True):
+    for checkpointing in (True, False):
         pm = peft_dora(tiny_llama(), target_modules=ALL_PROJ)
         randomize_dora(pm)
-        if accelerate:
-            accelerate_peft(pm)
-        pm.base_model.model.gradient_checkpointing_enable({"use_reentrant": False})
+        accelerate_peft(pm)
+        if checkpointing:
+            pm.base_model.model.gradient_checkpointing_enable({"use_reentrant": False})
         pm.train()
         models.append(pm)
-    ids = token_ids(models[0].base_model.model.config)
+    peft_model = peft_dora(tiny_llama(), target_modules=ALL_PROJ)
+    randomize_dora(peft_model)
+    peft_model.train()
+    ids = token_ids(peft_model.base_model.model.config)
+    (got_y, got_g), _, (want_y, want_g) = (_loss_and_grads(m, ids) for m in (*models, peft_model))
+    torch.testing.assert_close(got_y, want_y, rtol=1e-5, atol=1e-6)
+    _assert_grads_close(got_g, want_g, rtol=1e-5)
     opts = [torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2)
             for m in models]  # fmt: skip
-    for _ in range(2):
-        (want_y, want_g), (got_y, got_g) = (_loss_and_grads(m, ids) for m in models)
-        torch.testing.assert_close(got_y, want_y, rtol=1e-5, atol=1e-6)
-        _assert_grads_close(got_g, want_g, rtol=1e-5)
+    for _ in range(3):
         for opt in opts:
             opt.step()
-    _assert_ours_ran(models[1], ("eager",))
+        (got_y, got_g), (plain_y, plain_g) = (_loss_and_grads(m, ids) for m in models)
+        dora_torch.clear_caches(models[0])
+        fresh_y, fresh_g = _loss_and_grads(models[0], ids)
+        for want_y, want_g in ((plain_y, plain_g), (fresh_y, fresh_g)):
+            assert torch.equal(got_y, want_y)
+            assert got_g.keys() == want_g.keys()
+            assert all(torch.equal(got_g[n], want_g[n]) for n in want_g)
+    _assert_ours_ran(models[0], ("eager",))
 
 
 def test_training_steps_and_save_pretrained_after_acceleration(tmp_path):

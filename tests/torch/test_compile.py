@@ -184,9 +184,11 @@ def test_split_rule_is_a_constant_under_compile(monkeypatch):
     import functools
     import warnings
 
+    from dora_torch import config
     from dora_torch.kernels import common
 
     monkeypatch.setattr(common, "_sm_count", functools.cache(lambda index: 132))
+    monkeypatch.setattr(config, "PROGRAMS_PER_SM", 2)
     torch._dynamo.reset()
 
     def f(x):

@@ -479,6 +479,7 @@ def test_scale_reduce_token_split(sms, monkeypatch):
     from dora_torch.kernels.backward import scale_reduce
 
     monkeypatch.setattr(common, "sm_count", lambda device: sms)
+    monkeypatch.setattr(config, "PROGRAMS_PER_SM", 2)
     g = torch.Generator().manual_seed(3)
     dy, inner = torch.randn(200, 40, generator=g), torch.randn(200, 40, generator=g)
     m, n = torch.rand(40, generator=g) + 0.5, torch.rand(40, generator=g) + 0.5

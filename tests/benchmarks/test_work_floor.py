@@ -1,0 +1,46 @@
+"""The arithmetic of ``benchmarks/work_floor.py`` (what exact DoRA must add to LoRA's work)."""
+
+import pytest
+
+from benchmarks import work_floor as wf
+
+
+def test_flop_counts_by_hand():
+    # d_in 4, d_out 2, r 1, 3 tokens: every GEMM [m, k] × [k, n] is 2·m·k·n FLOPs.
+    layer = wf.Layer(d_in=4, d_out=2, r=1, tokens=3)
+    assert layer.lora_forward() == 2 * 3 * 4 * 2 + 2 * 3 * 4 * 1 + 2 * 3 * 1 * 2
+    dx = 2 * 3 * 2 * 4  # dy·W
+    dh = 2 * 3 * 2 * 1  # dy·B
+    dx_lora = 2 * 3 * 1 * 4  # dh·A
+    d_b = 2 * 2 * 3 * 1  # dyᵀ·h
+    d_a = 2 * 1 * 3 * 4  # dhᵀ·x
+    assert layer.lora_backward() == dx + dh + dx_lora + d_b + d_a
+    # U = W·Aᵀ; G = A·Aᵀ; (B·G) in the assembly
+    assert layer.norm() == 2 * 2 * 4 * 1 + 2 * 1 * 4 * 1 + 2 * 2 * 1 * 1
+    assert layer.forward_floor() == pytest.approx((84 + 28) / 84)
+
+
+def test_floors_fall_towards_one_with_more_tokens():
+    floors = [wf.Layer(8192, 8192, 384, t).forward_floor() for t in (512, 4096, 32768)]
+    assert floors[0] > floors[1] > floors[2] > 1.0
+    assert wf.Layer(8192, 8192, 384, 4096).grad_floor() < floors[1]
+
+
+def test_time_floor_adds_the_norm_at_the_given_rate():
+    # 1e12 FLOPs at 1000 TFLOP/s is 1 ms on top of a 4 ms LoRA call.
+    assert wf.time_floor(4.0, 10**12, 1000.0) == pytest.approx(1.25)
+
+
+def test_the_cited_runs_hold_the_rows_the_floors_need():
+    for layer, csv_name, shape in wf.JAX_LAYER_TARGETS:
+        ms = wf.measured_ms(csv_name, shape)
+        assert {("lora", "fwd"), ("lora", "grad"), ("ours_xla", "fwd")} <= set(ms)
+        assert shape == f"{layer.d_in}x{layer.d_out}_r{layer.r}_t{layer.tokens}"
+
+
+def test_pass_floor_counts_w_once_and_three_activation_passes():
+    layer = wf.Layer(d_in=1000, d_out=500, r=2, tokens=10)
+    assert wf.pass_bytes(1000, 500, 10) == (1000 * 500 + 3 * 10 * 500) * 2
+    # 1 ms of LoRA; bytes at 1 TB/s; the norm's FLOPs at GEMM_TFLOPS
+    extra = wf.pass_bytes(1000, 500, 10) / 1e12 * 1e3 + layer.norm() / (wf.GEMM_TFLOPS * 1e9)
+    assert wf.pass_floor(1.0, layer, tb_per_s=1.0) == pytest.approx(1.0 + extra)
