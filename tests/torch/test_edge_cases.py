@@ -414,20 +414,28 @@ def test_one_pass_norm_kernel(r, cached, dtype, split, monkeypatch):
     says), no worse than 2× the eager tier's error; ‖W‖² from the cache or from its own pass;
     d_in whole (split 1) or in slices summed by the finish kernel (2: a 32-wide and a 13-wide
     slice; 3: one tile each); a zero row of W and B gives n = 0."""
-    from dora_torch.kernels.norm_pass import norm_pass, norm_pass_applies
+    from dora_torch.kernels import norm_pass as kernel
     from dora_torch.norm import detached_norm, rounded_a
 
     monkeypatch.setattr(config, "NORM_PASS_SPLIT", split)
+    grids = []
+    launch = kernel._launch_norm_pass
+    monkeypatch.setattr(
+        kernel,
+        "_launch_norm_pass",
+        lambda grid, *a, **k: (grids.append(grid), launch(grid, *a, **k)),
+    )
 
     _, W, A, B, _, _, s = random_case_tensors(9, d_in=45, d_out=37, r=r)
     W = W.to(dtype)
     with torch.no_grad():
         W[3] = 0
         B[3] = 0
-    assert norm_pass_applies(W, r)
+    assert kernel.norm_pass_applies(W, r)
     a = rounded_a(A, W)
     base_sq = dora_torch.base_sq_norm(W) if cached else None
-    got = norm_pass(W, a, B, base_sq, s)
+    got = kernel.norm_pass(W, a, B, base_sq, s)
+    assert grids == [(3, split)]  # row blocks of 16 × slices of d_in
     ref = S.dense_norm(W.double().numpy(), a.double().numpy(), B.double().numpy(), s)
     eager = detached_norm(W, A, B, dora_torch.base_sq_norm(W), s, False)
     assert got.dtype == torch.float32 and got.shape == (37,)
@@ -475,15 +483,24 @@ def test_scale_reduce_token_split(sms, monkeypatch):
     column programs (``splits_to_fill``; 132 SMs: 13 chunks of 16 tokens here, none: 4 of 64)
     and the partial sums still add up: dm = Σ_t dy ⊙ inner / n and dbias = Σ_t dy against
     float64, dy_g = (m / n) ⊙ dy exact to rounding."""
-    from dora_torch.kernels import common
-    from dora_torch.kernels.backward import scale_reduce
+    from dora_torch.kernels import backward, common
 
     monkeypatch.setattr(common, "sm_count", lambda device: sms)
     monkeypatch.setattr(config, "PROGRAMS_PER_SM", 2)
+    grids = []
+    launch = backward._launch_scale_reduce
+    monkeypatch.setattr(
+        backward,
+        "_launch_scale_reduce",
+        lambda grid, *a, **k: (grids.append(grid), launch(grid, *a, **k)),
+    )
     g = torch.Generator().manual_seed(3)
     dy, inner = torch.randn(200, 40, generator=g), torch.randn(200, 40, generator=g)
     m, n = torch.rand(40, generator=g) + 0.5, torch.rand(40, generator=g) + 0.5
-    dyg, _, dm, dbias = scale_reduce(dy, inner, m, n, recover=False, dropout=False, need_dbias=True)
+    dyg, _, dm, dbias = backward.scale_reduce(
+        dy, inner, m, n, recover=False, dropout=False, need_dbias=True
+    )
+    assert grids == [(13 if sms else 4, 2)]  # token chunks × column blocks of 32
     terms, n64 = dy.double() * inner.double(), n.double()
     eps = torch.finfo(torch.float32).eps
     # fp32 summation over 200 tokens: |error| ≤ 200·eps·Σ|terms| (a loose, order-free bound)
