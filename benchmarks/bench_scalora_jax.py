@@ -21,7 +21,10 @@ were printed and were not comparable).
 
 ``--eigh jax`` runs the systems' eigensolver as JAX picks it on GPUs (batched Jacobi for
 2r ≤ 32) instead of ``dora_jax.config.SCALORA_EIGH_ON_GPU``'s default "qr" (both written to
-the log; compare two invocations).
+the log; compare two invocations). ``--sync-each-step`` waits for every step's adapters
+before the next step is dispatched: the loop cannot run ahead of the GPU, so its peak holds
+one step's buffers (the test of whether run-ahead explains run 26's I = 100 peak); its step
+times include the waits.
 """
 
 from __future__ import annotations
@@ -40,8 +43,8 @@ from benchmarks.measure import write_csv
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # share the GPU with torch
 
-FIELDS = ["backend", "variant", "rank", "interval", "steps", "step_mean_ms", "peak_gib",
-          "time_ratio", "peak_ratio"]  # fmt: skip
+FIELDS = ["backend", "variant", "rank", "interval", "steps", "sync_each_step", "step_mean_ms",
+          "peak_gib", "time_ratio", "peak_ratio"]  # fmt: skip
 GIB = 2.0**30
 LR, LR_TIMES_L = 1e-5, 1.0  # the cost does not depend on L·η (both branches are computed)
 
@@ -73,10 +76,12 @@ def measure(
     layers: int = 8,
     tiny: bool = False,
     own_process: bool = False,
+    sync_each_step: bool = False,
 ) -> dict:
     """One variant over ``steps`` timed steps (default max(20, interval)). ``own_process``:
     nothing else ran in this process, so its device peak is this variant's even where the
-    peak cannot be reset; otherwise such a peak is not reported (None)."""
+    peak cannot be reset; otherwise such a peak is not reported (None). ``sync_each_step``:
+    wait for each step's adapters before dispatching the next (module docstring)."""
     import jax
     import jax.numpy as jnp
     import optax
@@ -127,23 +132,28 @@ def measure(
     t0 = time.perf_counter()
     for _ in range(steps):
         step()
+        if sync_each_step:
+            ready()
     ready()
     ms = (time.perf_counter() - t0) / steps * 1e3
     peak = (device.memory_stats() or {}).get("peak_bytes_in_use")
     if not (resettable or own_process):
         peak = None  # the process-wide peak would include the variants run before this one
     return {"backend": jax.default_backend(), "rank": rank, "interval": interval,
-            "steps": steps, "step_mean_ms": round(ms, 2),
+            "steps": steps, "sync_each_step": sync_each_step, "step_mean_ms": round(ms, 2),
             "peak_gib": None if peak is None else round(peak / GIB, 3)}  # fmt: skip
 
 
-def _isolated(rank: int, interval: int, *, steps: int, layers: int, tiny: bool) -> dict:
+def _isolated(
+    rank: int, interval: int, *, steps: int, layers: int, tiny: bool, sync_each_step: bool
+) -> dict:
     """``measure`` in a fresh Python process (its own device peak)."""
     from dora_jax import config as dora_config
 
     args = [sys.executable, "-m", "benchmarks.bench_scalora_jax", "--one", str(rank),
             str(interval), str(steps), "--layers", str(layers), "--eigh",
-            dora_config.SCALORA_EIGH_ON_GPU] + (["--tiny"] if tiny else [])  # fmt: skip
+            dora_config.SCALORA_EIGH_ON_GPU] + (["--tiny"] if tiny else []) + (
+            ["--sync-each-step"] if sync_each_step else [])  # fmt: skip
     done = subprocess.run(args, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"variant r={rank} I={interval} failed:\n{done.stderr[-4000:]}")
@@ -151,7 +161,7 @@ def _isolated(rank: int, interval: int, *, steps: int, layers: int, tiny: bool) 
 
 
 def _bench(out_dir, ranks, *, layers: int = 8, tiny: bool = False, isolate: bool = False,
-           variants=tuple(VARIANTS)):  # fmt: skip
+           variants=tuple(VARIANTS), sync_each_step: bool = False):  # fmt: skip
     import jax
 
     rows, summary = [], []
@@ -160,10 +170,11 @@ def _bench(out_dir, ranks, *, layers: int = 8, tiny: bool = False, isolate: bool
     for rank in ranks:
         got = {}
         for name, interval in chosen.items():
+            kw = dict(steps=steps, layers=layers, tiny=tiny, sync_each_step=sync_each_step)
             if isolate:
-                got[name] = _isolated(rank, interval, steps=steps, layers=layers, tiny=tiny)
+                got[name] = _isolated(rank, interval, **kw)
             else:
-                got[name] = measure(rank, interval, steps=steps, layers=layers, tiny=tiny)
+                got[name] = measure(rank, interval, **kw)
                 jax.clear_caches()
         rows += variant_rows("scalora_jax", rank, got)
         summary += summary_rows("scalora_jax", rank, got)
@@ -186,6 +197,8 @@ def main(argv=None) -> int:
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     ap.add_argument("--eigh", default="qr", choices=["qr", "jax"],
                     help="dora_jax.config.SCALORA_EIGH_ON_GPU for this run")  # fmt: skip
+    ap.add_argument("--sync-each-step", action="store_true",
+                    help="wait for each step before the next (no run-ahead)")  # fmt: skip
     ap.add_argument(
         "--one", type=int, nargs=3, metavar=("RANK", "INTERVAL", "STEPS"), help=argparse.SUPPRESS
     )  # a child of --isolate: print one JSON row
@@ -197,11 +210,12 @@ def main(argv=None) -> int:
     if args.one:
         rank, interval, steps = args.one
         row = measure(rank, interval, steps=steps, layers=args.layers, tiny=args.tiny,
-                      own_process=True)  # fmt: skip
+                      own_process=True, sync_each_step=args.sync_each_step)  # fmt: skip
         print(json.dumps(row))
         return 0
     summary = _bench(args.out, args.ranks, layers=args.layers, tiny=args.tiny,
-                     isolate=args.isolate, variants=args.variants)  # fmt: skip
+                     isolate=args.isolate, variants=args.variants,
+                     sync_each_step=args.sync_each_step)  # fmt: skip
     for row in summary:
         print(f"{row['metric']}: {row['value']:.3f}")
     return 0
