@@ -403,6 +403,18 @@ def test_fused_refuses_tensors_beyond_int32_offsets(monkeypatch):
     dora_torch.dora_linear(x, W, A, B, m, s, b, impl="eager")  # the eager tier has no limit
 
 
+def _record_grids(monkeypatch, module, launcher: str) -> list:
+    """The grids ``module.<launcher>`` is called with from now on (it still launches)."""
+    grids, launch = [], getattr(module, launcher)
+
+    def record(grid, *args, **kwargs):
+        grids.append(grid)
+        launch(grid, *args, **kwargs)
+
+    monkeypatch.setattr(module, launcher, record)
+    return grids
+
+
 # 16 and 32: one r-block; 17: padded; d_in 45 and d_out 37: ragged last tiles (interpreter
 # blocks are 16 wide).
 @pytest.mark.parametrize("r", [1, 4, 16, 17, 32])
@@ -418,13 +430,7 @@ def test_one_pass_norm_kernel(r, cached, dtype, split, monkeypatch):
     from dora_torch.norm import detached_norm, rounded_a
 
     monkeypatch.setattr(config, "NORM_PASS_SPLIT", split)
-    grids = []
-    launch = kernel._launch_norm_pass
-    monkeypatch.setattr(
-        kernel,
-        "_launch_norm_pass",
-        lambda grid, *a, **k: (grids.append(grid), launch(grid, *a, **k)),
-    )
+    grids = _record_grids(monkeypatch, kernel, "_launch_norm_pass")
 
     _, W, A, B, _, _, s = random_case_tensors(9, d_in=45, d_out=37, r=r)
     W = W.to(dtype)
@@ -487,13 +493,7 @@ def test_scale_reduce_token_split(sms, monkeypatch):
 
     monkeypatch.setattr(common, "sm_count", lambda device: sms)
     monkeypatch.setattr(config, "PROGRAMS_PER_SM", 2)
-    grids = []
-    launch = backward._launch_scale_reduce
-    monkeypatch.setattr(
-        backward,
-        "_launch_scale_reduce",
-        lambda grid, *a, **k: (grids.append(grid), launch(grid, *a, **k)),
-    )
+    grids = _record_grids(monkeypatch, backward, "_launch_scale_reduce")
     g = torch.Generator().manual_seed(3)
     dy, inner = torch.randn(200, 40, generator=g), torch.randn(200, 40, generator=g)
     m, n = torch.rand(40, generator=g) + 0.5, torch.rand(40, generator=g) + 0.5
