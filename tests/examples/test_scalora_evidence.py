@@ -66,3 +66,37 @@ def test_evidence_script_writes_all_methods(tmp_path):
     png = tmp_path / "ev.png"
     if png.exists():  # written when matplotlib is installed
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_evidence_script_pretrains_the_base_on_text_the_adapters_do_not_see(tmp_path):
+    import torch
+
+    from examples import scalora_evidence as ev
+    from examples.configs import get_config
+    from examples.corpus import ByteTokenizer
+    from examples.training import build_base_model
+
+    cfg = get_config("micro")
+    base = build_base_model(cfg, vocab_size=ByteTokenizer().vocab_size, seed=0)
+    before = [p.detach().clone() for p in base.parameters()]
+    train_ids, _ = ev.split_corpus(0.1)
+    threads = torch.get_num_threads()
+    try:
+        loss = ev.pretrain(base, cfg, train_ids[: len(train_ids) // 2], steps=3, lr=3e-3, seed=1)
+        assert math.isfinite(loss)
+        assert all(not torch.equal(a, b) for a, b in zip(before, base.parameters()))
+        assert not base.training  # left in eval mode, as build_base_model returns it
+        out = tmp_path / "pre"
+        argv = ["--config", "micro", "--steps", "2", "--lrs", "3e-3", "--methods", "lora",
+                "--eval-every", "2", "--eval-windows", "4", "--pretrain-steps", "2",
+                "--out", str(out)]  # fmt: skip
+        assert ev.main(argv) == 0
+    finally:
+        torch.set_num_threads(threads)
+    log = (tmp_path / "pre.log").read_text()
+    assert "pretrain_steps=2" in log and "base pretrained 2 steps" in log
+    half = len(train_ids) // 2
+    assert f"on the first {half} training bytes" in log
+    assert f"adapters train on the other {len(train_ids) - half} bytes" in log
+    with pytest.raises(SystemExit):
+        ev.parse_args(["--pretrain-steps", "-1"])
