@@ -84,9 +84,10 @@ def test_accelerated_model_under_activation_checkpointing_matches_peft():
     computed again after ``clear_caches``; before any update they match PEFT's to 1e-5.
 
     After an update the comparison with PEFT is not a test of the cache: AdamW's first steps
-    are ±lr wherever a gradient is far below its eps-free scale, so float32 rounding in either
-    model moves whole elements (PEFT's own float32 run drifts from float64 by ~5e-6 in the
-    gradients after one step, ours by ~1e-5, varying with the library versions)."""
+    move every element by about ±lr whatever the size of its gradient, so an element whose
+    gradient is near zero steps either way on float32 rounding (PEFT's own float32 run drifts
+    from float64 by ~5e-6 in the gradients after one step, ours by ~1e-5, varying with the
+    library versions)."""
     models = []
     for checkpointing in (True, False):
         pm = peft_dora(tiny_llama(), target_modules=ALL_PROJ)
