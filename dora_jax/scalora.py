@@ -148,8 +148,8 @@ def _scalar(K, lam, eL, tol):
 def _eigh_implementation():
     """The eigensolver for the 2r × 2r systems. On GPUs JAX picks cuSOLVER's Jacobi
     ``syevjBatched`` for n ≤ 32 (r ≤ 16) and the QR-based batched ``syev`` above; by default
-    (``config.SCALORA_EIGH_ON_GPU``) ask for the latter at every size: ScaLoRA every step cost
-    1.46× a LoRA step at r = 8 against 1.18× at r = 64 (runs 15 and 18, benchmarks/NOTES.md).
+    (``config.SCALORA_EIGH_ON_GPU``) ask for the latter at every size, because the Jacobi
+    solver was measured slower for these systems (benchmarks/NOTES.md, session 8).
     Elsewhere: JAX's default."""
     choice = _config.SCALORA_EIGH_ON_GPU
     if choice not in ("qr", "jax"):
