@@ -146,6 +146,12 @@ NORM_PRECISION = lax.Precision.HIGHEST
 #: ``scalora_update`` is traced; ``benchmarks/bench_scalora_jax.py`` compares the two.
 SCALORA_EIGH_ON_GPU = "qr"
 
+#: Rows of K merged per step of ScaLoRA's merge loop (``scalora.merge_scaled``): the f32 product
+#: a·diag(c)·b exists one [rows, d_out] block at a time, so a merge over a whole model holds
+#: O(rows · d_out) of temporaries instead of one f32 [d_in, d_out] per layer. Read when the
+#: merge is traced.
+SCALORA_MERGE_ROWS = 1024
+
 
 # A predicate sees the layer shape (tokens, d_in, d_out, rank) and returns True where Pallas
 # was measured faster than XLA on the GPU. None means "XLA on every shape".

@@ -200,17 +200,35 @@ def scalora_scaling(lora_a, lora_b, grad_a, grad_b, *, lr_times_L, scaling, tol=
 
 def merge_scaled(kernel, lora_a, lora_b, alpha, beta, scaling):
     """``(K + s·a diag(1 − α⊙β) b, a diag(β), diag(α) b)`` in Flax layout, each in its
-    input's dtype (computed in promote(f32, inputs))."""
+    input's dtype (computed in promote(f32, inputs), rounded once into K's dtype).
+
+    K is rewritten ``config.SCALORA_MERGE_ROWS`` rows at a time in a loop (in place when K is
+    donated): the f32 product never exists for more than one block of rows.
+    """
     acc = acc_dtype(kernel.dtype, lora_a.dtype, lora_b.dtype, alpha.dtype)
     a, b = lora_a.astype(acc), lora_b.astype(acc)
     al, be = alpha.astype(acc), beta.astype(acc)
-    delta = jnp.matmul(a * (1 - al * be), b, precision=_HI)
-    k_new = kernel.astype(acc) + jnp.asarray(scaling, acc) * delta
-    return (
-        k_new.astype(kernel.dtype),
-        (a * be).astype(lora_a.dtype),
-        (al[:, None] * b).astype(lora_b.dtype),
-    )
+    ac = a * (jnp.asarray(scaling, acc) * (1 - al * be))  # s·a·diag(c)
+
+    def merged(k_rows, a_rows):
+        delta = jnp.matmul(a_rows, b, precision=_HI)
+        return (k_rows.astype(acc) + delta).astype(kernel.dtype)
+
+    d_in = kernel.shape[0]
+    rows = min(_config.SCALORA_MERGE_ROWS, d_in)
+    n_blocks, tail = divmod(d_in, rows)
+
+    def block(i, k):
+        start = i * rows
+        k_rows = lax.dynamic_slice_in_dim(k, start, rows, axis=0)
+        a_rows = lax.dynamic_slice_in_dim(ac, start, rows, axis=0)
+        return lax.dynamic_update_slice_in_dim(k, merged(k_rows, a_rows), start, axis=0)
+
+    k_new = lax.fori_loop(0, n_blocks, block, kernel) if n_blocks > 1 else block(0, kernel)
+    if tail:
+        start = n_blocks * rows
+        k_new = k_new.at[start:].set(merged(k_new[start:], ac[start:]))
+    return k_new, (a * be).astype(lora_a.dtype), (al[:, None] * b).astype(lora_b.dtype)
 
 
 def base_sq_after_merge(base_sq, u, gram, lora_b, c, scaling):

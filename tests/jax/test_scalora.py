@@ -292,6 +292,44 @@ def test_base_sq_factored_update_equals_recompute(x64):
     _close(k_new, k + s * (a * (1 - alpha * beta)) @ b, 1e-12)
 
 
+@pytest.mark.parametrize("rows", [4, 11, 64])
+def test_merge_in_row_blocks_is_the_one_product(x64, monkeypatch, rows):
+    """d_in = 11 in blocks of 4 (two blocks and a tail of 3), one block, fewer rows than a
+    block: each is the unblocked K + s·a diag(1 − α⊙β) b, eagerly and under jit."""
+    monkeypatch.setattr(SC._config, "SCALORA_MERGE_ROWS", rows)
+    rng = np.random.default_rng(8)
+    k, a, b = (jnp.asarray(rng.standard_normal(sh)) for sh in ((11, 5), (11, 3), (3, 5)))
+    alpha, beta = (jnp.asarray(rng.uniform(0.2, 2.0, 3)) for _ in range(2))
+    ref = k + 1.7 * (a * (1 - alpha * beta)) @ b
+    for fn in (SC.merge_scaled, jax.jit(SC.merge_scaled)):
+        k_new, a_new, b_new = fn(k, a, b, alpha, beta, 1.7)
+        _close(k_new, ref, 1e-14)
+        _close(a_new, a * beta, 1e-15)
+        _close(b_new, alpha[:, None] * b, 1e-15)
+
+
+def test_merge_temporaries_do_not_grow_with_the_layer_count(monkeypatch):
+    """XLA's compiled temp size of one bf16 merge over 1 and over 6 layers: the f32 product
+    exists one block of rows at a time, so six layers need no more than one (before the
+    blocked merge each layer held its own f32 [d_in, d_out], 6 × 1.5 MiB here)."""
+    monkeypatch.setattr(SC._config, "SCALORA_MERGE_ROWS", 128)
+    d_in, d_out, r, bf = 512, 768, 8, jnp.bfloat16
+    f32_product = d_in * d_out * 4
+
+    def temp(n_layers):
+        spec = jax.ShapeDtypeStruct
+        pair = {"lora_a": spec((d_in, r), bf), "lora_b": spec((r, d_out), bf)}
+        adapters = {f"l{i}": dict(pair) for i in range(n_layers)}
+        base = {f"l{i}": spec((d_in, d_out), bf) for i in range(n_layers)}
+        state = jax.eval_shape(optax.adamw(1e-3).init, adapters)
+        fn = jax.jit(SC.scalora_update, donate_argnames=("adapters", "base", "opt_state"))
+        compiled = fn.lower(adapters, base, state, adapters, lr_times_L=1.0, scaling=2.0).compile()
+        return compiled.memory_analysis().temp_size_in_bytes
+
+    one, six = temp(1), temp(6)
+    assert six - one < f32_product / 2, (one, six)
+
+
 def test_nnx_rejects_merged_dora_and_bare_lora():
     layer = nnx.eval_shape(lambda: DoraDense(4, 3, r=2, lora_alpha=2.0, rngs=nnx.Rngs(0)))
     layer.merged = True  # as merge() leaves it (find_layers reads only types and flags)
