@@ -20,7 +20,7 @@ lint: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 
-# Kernels run through the Triton interpreter and Pallas interpret mode (tests/conftest.py).
+# Kernels run through the Triton interpreter (tests/conftest.py) and Pallas' GPU interpreter.
 test: lint
 	$(PY) -m pytest
 

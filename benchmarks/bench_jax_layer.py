@@ -1,4 +1,4 @@
-"""JAX DoRA layer on the GPU: ours (XLA, Pallas, Mosaic GPU) vs naive jnp DoRA vs jnp LoRA.
+"""JAX DoRA layer on the GPU: ours (XLA, Mosaic GPU) vs naive jnp DoRA vs jnp LoRA.
 
 Same shapes as the torch layer benchmark. bf16 activations and kernel; our adapters are f32
 parameters (the library default, cast per call); the baselines run entirely in bf16, as
@@ -12,7 +12,7 @@ XLA's compiled temp size (``memory_analysis().temp_size_in_bytes``).
 Cost control (the bench must fit in ~4 minutes of GPU time; compilation, mostly XLA's GEMM
 autotuning, dominates): each program is compiled once, ahead of time, and that executable is
 both inspected for memory and timed; ``ours_auto`` is not compiled again when ``impl="auto"``
-resolves to the same impls as ``ours_xla`` or ``ours_pallas`` (its rows copy that provider's
+resolves to the same impls as ``ours_xla`` or ``ours_mosaic`` (its rows copy that provider's
 numbers and name it in ``same_as``); inputs are made by one jitted call per shape and deleted
 before the next shape; the headline and the inference shape run first, and the CSV is
 rewritten after every shape, so a run cut short still leaves results. Per-shape wall time and
@@ -22,8 +22,8 @@ per-program compile/timing seconds are printed (and kept in the CSV).
     JAX_LAYER_SHAPES=4096x4096_r384_t512_infer JAX_LAYER_PROVIDERS=lora,ours_mosaic \
         python3 -m benchmarks.run --only jax_layer --skip-tests      # a subset
 
-After the layer rows, ``compose_configs`` times the compose alone (XLA, Triton-lowered Pallas,
-Mosaic under each tile config of ``MOSAIC_COMPOSE_CONFIGS``) into
+After the layer rows, ``compose_configs`` times the compose alone (XLA, Mosaic under each tile
+config of ``MOSAIC_COMPOSE_CONFIGS``) into
 ``jax_layer_compose_configs.csv``; ``JAX_LAYER_MOSAIC_SWEEP=0`` skips it.
 """
 
@@ -110,13 +110,13 @@ def _inputs(d_in, d_out, r, tokens, seed):
     return jax.block_until_ready(make(jax.random.key(seed)))
 
 
-def _auto_alias(auto: dict[str, str]) -> str | None:
-    """The provider ``ours_auto`` duplicates: every op resolved to the same impl."""
-    impls = set(auto.values())
-    if impls == {"xla"}:
-        return "ours_xla"
-    if impls == {"pallas"}:
-        return "ours_pallas"
+def _auto_alias(x_shape, kernel_shape, r) -> str | None:
+    """The provider ``ours_auto`` duplicates: the one whose impl resolves to the same impl
+    for every op (``ours_mosaic`` is XLA for the ops, shapes and dtypes Mosaic does not take)."""
+    auto = resolved_impls(x_shape, kernel_shape, r)
+    for prov, impl in (("ours_xla", "xla"), ("ours_mosaic", "mosaic")):
+        if resolved_impls(x_shape, kernel_shape, r, impl=impl) == auto:
+            return prov
     return None
 
 
@@ -140,7 +140,6 @@ def _providers(kernel, a, b, m, bias, norm, with_auto):
             (a16, b16, m16),
         ),
         "ours_xla": ours("xla"),
-        "ours_pallas": ours("pallas"),
         "ours_mosaic": ours("mosaic"),  # the Mosaic GPU compose, XLA for the other ops
     }
     if with_auto:
@@ -194,7 +193,7 @@ def _measure(shape, rows):
         )
     auto = resolved_impls((tokens, d_in), (d_in, d_out), r)
     auto_str = ",".join(f"{k}={v}" for k, v in auto.items())
-    alias = _auto_alias(auto)
+    alias = _auto_alias((tokens, d_in), (d_in, d_out), r)
     base = dict(shape=name, d_in=d_in, d_out=d_out, rank=r, tokens=tokens, mode=mode)
     base["auto_impl"] = auto_str
     kinds = ("fwd", "grad") if mode == "train" else ("fwd",)
@@ -261,10 +260,10 @@ def _summary(rows):
 
     for kind in ("fwd", "grad"):
         lora = _get(rows, HEADLINE, "lora", kind)
-        for prov in ("ours_auto", "ours_xla", "ours_pallas", "ours_mosaic"):
+        for prov in ("ours_auto", "ours_xla", "ours_mosaic"):
             v = _ratio(_get(rows, HEADLINE, prov, kind), lora)
             add(f"{HEADLINE} {kind} {prov}/lora", v, "<= 1.10", None if v is None else v <= 1.10)
-    for prov in ("ours_auto", "ours_xla", "ours_pallas"):
+    for prov in ("ours_auto", "ours_xla"):
         v = _ratio(_get(rows, HEADLINE, "naive_dora", "fwd"), _get(rows, HEADLINE, prov, "fwd"))
         add(
             f"{HEADLINE} fwd naive_dora/{prov} (speedup)",
@@ -353,12 +352,11 @@ COMPOSE_SHAPES = [(512, 4096, 384), (4096, 8192, 384), (4096, 8192, 16)]
 
 
 def compose_configs(shapes=COMPOSE_SHAPES, configs=MOSAIC_COMPOSE_CONFIGS) -> list[dict]:
-    """The compose alone (base and h given): XLA's, the Triton-lowered Pallas kernel and the
-    Mosaic kernel under each tile config; the evidence for ``MosaicConfig``'s defaults and
-    for ``AUTO_MOSAIC``."""
+    """The compose alone (base and h given): XLA's and the Mosaic kernel under each tile
+    config; the evidence for ``MosaicConfig``'s defaults and for ``AUTO_MOSAIC``."""
     import functools
 
-    from dora_jax import kernels, mosaic, xla_ops
+    from dora_jax import mosaic, xla_ops
     from dora_jax.config import MosaicConfig
 
     rows = []
@@ -371,7 +369,6 @@ def compose_configs(shapes=COMPOSE_SHAPES, configs=MOSAIC_COMPOSE_CONFIGS) -> li
         args = [(base, h, b, g)]
         fns = {
             "xla": lambda *a: xla_ops.compose(*a, scaling=SCALING, precision=None)[0],
-            "pallas": lambda *a: kernels.compose(*a, scaling=SCALING),
         }
         for tm, tn, steps, in_flight in configs:
             cfg = MosaicConfig(compose_tile_m=tm, compose_tile_n=tn,

@@ -67,8 +67,8 @@ def main(argv=None) -> int:
 
     test_rc = 0
     if not args.skip_tests:
-        # GPU-marked tests, then the parity suite, which runs its torch tiers and Pallas
-        # kernels natively when a GPU is present.
+        # GPU-marked tests, then the parity suite, which runs its torch tiers and the
+        # dora_jax XLA path natively when a GPU is present.
         test_rc = subprocess.call([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "tests"])
         parity_rc = subprocess.call([sys.executable, "-m", "pytest", "-q", "tests/parity"])
         test_rc = test_rc if test_rc not in (0, 5) else parity_rc

@@ -1,4 +1,4 @@
-"""dora_jax — DoRA for JAX/Flax with a factored norm and Pallas kernels.
+"""dora_jax — DoRA for JAX/Flax with a factored norm and a Mosaic GPU compose kernel.
 
 Layout is Flax's: kernel [d_in, d_out], lora_a [d_in, r], lora_b [r, d_out], magnitude [d_out]
 (``shared_spec.layout`` converts to and from PyTorch's). The vocabulary is PEFT's and
@@ -29,7 +29,6 @@ Deprecated for one release (a DeprecationWarning names the replacement): the key
 """
 
 from . import functional, linen, scalora, sharding
-from .config import AUTO_PALLAS, DEFAULT_BLOCKS, BlockConfig
 from .dense import DoraCache, DoraDense, DoraParam
 from .functional import dora_dense
 from .inject import inject
@@ -39,9 +38,6 @@ from .norm import base_sq_norm, factored_norm
 from .scalora import scalora_step, scalora_update
 
 __all__ = [
-    "AUTO_PALLAS",
-    "DEFAULT_BLOCKS",
-    "BlockConfig",
     "DoraCache",
     "DoraDense",
     "DoraParam",

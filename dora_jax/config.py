@@ -1,14 +1,8 @@
-"""Every tunable of the JAX backend in one place: Pallas block sizes and the ``impl="auto"`` table.
+"""Every tunable of the JAX backend in one place: Mosaic GPU tiles and the ``impl="auto"`` table.
 
-Block sizes are powers of two (Triton needs power-of-two array shapes inside a kernel) and every
-block that feeds a dot is at least 16 wide (``plt.dot`` with a contraction or output dimension
-below 16 is wrong or refused on the GPU, docs/design.md §7). Kernels mask edge blocks, so
-shapes need
-not be multiples of the blocks.
-
-``AUTO_PALLAS`` is the decision table behind ``impl="auto"``: an op runs as Pallas only on the
-shape class where ``benchmarks/bench_jax_layer`` measured it faster than XLA on the H200
-(``benchmarks/results/jax_layer.csv``); XLA everywhere else.
+``AUTO_MOSAIC`` is the decision table behind ``impl="auto"``: an op runs its Mosaic GPU kernel
+only on the shape class where ``benchmarks/bench_jax_layer`` measured it faster than XLA on the
+H200; XLA everywhere else.
 """
 
 from __future__ import annotations
@@ -24,47 +18,6 @@ from jax import lax
 
 def _is_pow2(v: int) -> bool:
     return v >= 1 and (v & (v - 1)) == 0
-
-
-@dataclass(frozen=True)
-class BlockConfig:
-    """Block sizes and launch parameters of the three Pallas kernels (``dora_jax.kernels``).
-
-    compose:      grid over (tokens / compose_block_t, d_out / compose_block_n); the LoRA product
-                  h·b is accumulated over the rank in slices of ``compose_block_r``.
-    scale_reduce: grid over (reduce_splits, d_out / reduce_block_n); each program walks its share
-                  of the tokens in steps of ``reduce_block_t`` and writes one partial column sum.
-    norm:         grid over d_out / norm_block_n; G·b is accumulated in ``norm_block_r`` slices.
-    """
-
-    compose_block_t: int = 64
-    compose_block_n: int = 128
-    compose_block_r: int = 32
-    compose_num_warps: int = 4
-    reduce_block_t: int = 32
-    reduce_block_n: int = 128
-    reduce_splits: int = 16
-    reduce_num_warps: int = 4
-    norm_block_n: int = 64
-    norm_block_r: int = 32
-    norm_num_warps: int = 4
-    num_stages: int = 2
-
-    def __post_init__(self):
-        for name, v in vars(self).items():
-            if name.endswith("_warps") or name in ("num_stages", "reduce_splits"):
-                if int(v) < 1:
-                    raise ValueError(f"{name} must be positive; got {v!r}")
-                continue
-            if not _is_pow2(int(v)):
-                raise ValueError(f"{name} must be a power of two; got {v!r}")
-            if name in ("compose_block_t", "compose_block_n", "compose_block_r") and v < 16:
-                raise ValueError(f"{name} feeds a dot and must be >= 16; got {v!r}")
-            if name in ("norm_block_n", "norm_block_r") and v < 16:
-                raise ValueError(f"{name} feeds a dot and must be >= 16; got {v!r}")
-
-
-DEFAULT_BLOCKS = BlockConfig()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -153,28 +106,19 @@ SCALORA_EIGH_ON_GPU = "qr"
 SCALORA_MERGE_ROWS = 1024
 
 
-# A predicate sees the layer shape (tokens, d_in, d_out, rank) and returns True where Pallas
-# was measured faster than XLA on the GPU. None means "XLA on every shape".
+# A predicate sees the layer shape (tokens, d_in, d_out, rank) and returns True where the
+# Mosaic kernel was measured faster than XLA on the GPU. None means "XLA on every shape".
 ShapePredicate = Callable[[int, int, int, int], bool]
-
-AUTO_PALLAS: Mapping[str, ShapePredicate | None] = MappingProxyType(
-    {
-        "norm": None,  # norm assembly from U = aᵀK and G = aᵀa
-        # y = g ⊙ (base + s·h b) + bias. Run 7: at 512 tokens (4096², r = 384, norm frozen, the
-        # only Pallas op in that forward) 0.103 ms vs XLA's 0.148 (jnp LoRA 0.107). At 4096
-        # tokens Pallas (all three ops) was 0-14% slower, so larger batches stay on XLA.
-        "compose": lambda tokens, d_in, d_out, rank: tokens <= 512,
-        "scale_reduce": None,  # dy_g = g ⊙ dy and Σ_t dy ⊙ saved
-    }
-)
 
 #: Ops with a Mosaic GPU kernel (``dora_jax.mosaic``), and where ``impl="auto"`` picks it on a
 #: Hopper GPU. No entry until the H200 measures it faster than the alternative
 #: (``benchmarks/bench_jax_layer``, provider ``ours_mosaic``): None = never chosen by "auto".
 AUTO_MOSAIC: Mapping[str, ShapePredicate | None] = MappingProxyType({"compose": None})
 
-IMPLS = ("auto", "pallas", "xla", "mosaic")
-OPS = tuple(AUTO_PALLAS)
+IMPLS = ("auto", "xla", "mosaic")
+#: The three ops an impl is resolved for: norm assembly from U = aᵀK and G = aᵀa; the compose
+#: y = g ⊙ (base + s·h·b) + bias; scale_reduce, dy_g = g ⊙ dy and Σ_t dy ⊙ saved.
+OPS = ("norm", "compose", "scale_reduce")
 
 
 def current_platform() -> str:
@@ -206,28 +150,34 @@ def _is_hopper() -> bool:
     return bool(caps) and all(c.startswith("9.") for c in caps)
 
 
+def check_impl(impl) -> str:
+    """``impl`` if it is one of ``IMPLS``; else a ValueError naming the valid values."""
+    if isinstance(impl, str) and impl in IMPLS:
+        return impl
+    msg = f"impl must be one of {IMPLS}; got {impl!r}"
+    if impl == "pallas":
+        msg += ' (the Triton-backend Pallas kernels were removed: use "xla" or "mosaic")'
+    raise ValueError(msg)
+
+
 def resolve_impl(
     impl: str, op: str, *, platform: str, shape: tuple[int, int, int, int], dtype=None
 ) -> str:
-    """ "pallas", "mosaic" or "xla" for one op on a layer of ``shape`` = (tokens, d_in, d_out,
-    rank) with activations of ``dtype``.
+    """ "mosaic" or "xla" for one op on a layer of ``shape`` = (tokens, d_in, d_out, rank) with
+    activations of ``dtype``.
 
     "mosaic" runs the op's Mosaic GPU kernel where one exists for the shape and dtype
-    (``dora_jax.mosaic``) and XLA elsewhere; "auto" reads ``AUTO_MOSAIC`` (Hopper only), then
-    ``AUTO_PALLAS`` (GPU only), else XLA.
+    (``dora_jax.mosaic``) and XLA elsewhere; "auto" runs it where ``AUTO_MOSAIC`` says so on
+    a Hopper GPU, else XLA.
     """
-    if impl not in IMPLS:
-        raise ValueError(f"impl must be one of {IMPLS}; got {impl!r}")
-    if op not in AUTO_PALLAS:
+    check_impl(impl)
+    if op not in OPS:
         raise ValueError(f"op must be one of {OPS}; got {op!r}")
     if impl == "mosaic":
         return "mosaic" if _mosaic_takes(op, shape, dtype) else "xla"
-    if impl != "auto":
-        return impl
-    if platform != "gpu":
+    if impl == "xla" or platform != "gpu":
         return "xla"
     rule = AUTO_MOSAIC.get(op)
     if rule is not None and _mosaic_takes(op, shape, dtype) and _is_hopper() and rule(*shape):
         return "mosaic"
-    rule = AUTO_PALLAS[op]
-    return "pallas" if rule is not None and rule(*shape) else "xla"
+    return "xla"

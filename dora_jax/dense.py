@@ -41,7 +41,7 @@ from flax import nnx
 from shared_spec.initialization import scaling_for
 
 from .checks import check_dropout, check_rank, renamed_argument
-from .config import DEFAULT_BLOCKS, BlockConfig, default_adapter_dtype
+from .config import check_impl, default_adapter_dtype
 from .functional import dora_dense
 from .initializers import lora_a_init, lora_b_init
 from .merge import merge_weight, unmerge_weight
@@ -96,8 +96,8 @@ class DoraDense(nnx.Module):
       impl, exact_norm_grad: passed to ``dora_jax.functional.dora_dense``.
       shard_norm: compute the norm as a ``shard_map`` over the context mesh
         (``dora_jax.sharding.sharded_norm_parts``: per-shard GEMMs, a psum when d_in is
-        sharded, the assembly per shard), the kernel's spec from its metadata; needed for the
-        Pallas norm on a mesh (XLA cannot partition a Pallas call). No effect off a mesh.
+        sharded, the assembly per shard), the kernel's spec from its metadata. No effect off a
+        mesh.
       deterministic: disables the dropout (as ``nnx.Dropout``: default False, i.e. active until
         ``model.eval()``; it has no effect when ``lora_dropout`` is 0).
       base: an existing nnx.Linear whose Variables to reuse (``from_linear``).
@@ -128,7 +128,6 @@ class DoraDense(nnx.Module):
         kernel_metadata: Mapping = MappingProxyType({}),
         impl: str = "auto",
         exact_norm_grad: bool = False,
-        config: BlockConfig = DEFAULT_BLOCKS,
         deterministic: bool = False,
         shard_norm: bool = False,
         base: nnx.Linear | None = None,
@@ -136,6 +135,7 @@ class DoraDense(nnx.Module):
         rank: int | None = None,
         alpha: float | None = None,
     ):
+        impl = check_impl(impl)  # before anything is built or a key drawn
         r = check_rank(renamed_argument("DoraDense", "r", r, "rank", rank))
         lora_alpha = renamed_argument("DoraDense", "lora_alpha", lora_alpha, "alpha", alpha)
         if base is None:
@@ -168,7 +168,6 @@ class DoraDense(nnx.Module):
         self.param_dtype = param_dtype
         self.impl = impl
         self.exact_norm_grad = bool(exact_norm_grad)
-        self.config = config
         self.shard_norm = bool(shard_norm)
         # The very Variables of the base layer: values, dtypes and sharding metadata carry over.
         self.kernel = base.kernel
@@ -218,7 +217,6 @@ class DoraDense(nnx.Module):
         adapter_dtype=None,
         impl: str = "auto",
         exact_norm_grad: bool = False,
-        config: BlockConfig = DEFAULT_BLOCKS,
         deterministic: bool = False,
         shard_norm: bool = False,
         rank: int | None = None,
@@ -247,7 +245,6 @@ class DoraDense(nnx.Module):
             adapter_dtype=adapter_dtype,
             impl=impl,
             exact_norm_grad=exact_norm_grad,
-            config=config,
             lora_dropout=lora_dropout,
             deterministic=deterministic,
             shard_norm=shard_norm,
@@ -288,6 +285,7 @@ class DoraDense(nnx.Module):
         if self.merged:  # the adapter lives in the kernel: the plain dense layer
             y = jnp.dot(jnp.asarray(x, cd), kernel)
             return y if bias is None else y + bias.astype(cd)
+        check_impl(self.impl)  # before a dropout key is drawn
         key = self._dropout_key(deterministic, rngs)
         return dora_dense(
             jnp.asarray(x, cd),
@@ -301,7 +299,6 @@ class DoraDense(nnx.Module):
             exact_norm_grad=self.exact_norm_grad,
             norm=None if self.frozen_norm is None else self.frozen_norm.get_value(),
             base_sq=None if self.base_sq is None else self.base_sq.get_value(),
-            config=self.config,
             dropout_rate=self.lora_dropout,
             dropout_rng=key,
             deterministic=key is None,

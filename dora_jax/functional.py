@@ -15,7 +15,7 @@ from .checks import (
     check_scaling,
     check_vector,
 )
-from .config import DEFAULT_BLOCKS, OPS, BlockConfig, current_platform, resolve_impl
+from .config import OPS, current_platform, resolve_impl
 from .vjp import Options, dora_core
 
 
@@ -34,7 +34,6 @@ def dora_dense(
     base_sq=None,
     chunk_size: int | None = None,
     interpret: bool | None = None,
-    config: BlockConfig = DEFAULT_BLOCKS,
     dropout_rate: float = 0.0,
     dropout_rng=None,
     deterministic: bool = True,
@@ -50,18 +49,19 @@ def dora_dense(
         activation dtype for the products, which accumulate in acc = promote_types(f32, x's
         dtype); their gradients come back in their own dtypes.
       scaling: the adapter scale s (a Python number: alpha / r, or alpha / sqrt(r)).
-      impl: "pallas", "xla", "mosaic" (Mosaic GPU kernels where one exists for the op, shape
-        and dtype, XLA elsewhere), or "auto" (the measured tables in ``dora_jax.config``).
+      impl: "xla", "mosaic" (the Mosaic GPU compose where it takes the shape and dtype, XLA
+        elsewhere), or "auto" (the measured ``AUTO_MOSAIC`` table in ``dora_jax.config``).
       exact_norm_grad: differentiate through the norm too (default: norm detached, as in the
         DoRA paper and PEFT).
       norm: optional precomputed column norm [d_out] (e.g. cached for inference with frozen
         adapters); treated as a constant. Cannot be combined with ``exact_norm_grad``.
       base_sq: optional precomputed ``||K_:j||²`` [d_out] (K is frozen, so it can be cached).
       chunk_size: accumulate the norm's GEMMs over slices of d_in.
-      interpret: run Pallas kernels in interpret mode (default: when not on a GPU).
+      interpret: run the Mosaic compose in Pallas' GPU interpreter (default: when not on a
+        GPU).
       norm_sharding: a ``dora_jax.sharding.NormSharding`` (the kernel's spec on a mesh): the
-        norm then runs as a ``shard_map`` (``sharded_norm_parts``), as a Pallas norm on a mesh
-        needs; None (default): the plain factored norm, which XLA partitions itself.
+        norm then runs as a ``shard_map`` (``sharded_norm_parts``); None (default): the plain
+        factored norm, which XLA partitions itself.
       dropout_rate, dropout_rng, deterministic: adapter dropout with PEFT's semantics
         (docs/design.md §1). Active only when ``dropout_rate > 0`` and ``deterministic`` is
         False (the default True, as for an eval call, ignores the rate); then x_d = dropout(x)
@@ -71,9 +71,8 @@ def dora_dense(
 
             y = x·K + (g − 1) ⊙ (x_d·K) + g ⊙ s·(x_d·a)·b + bias,   g − 1 = (m − n)/n in f32
 
-        which costs a second base GEMM on x_d. That call always composes in XLA (the Pallas and
-        Mosaic composes have no dropout form: such a choice falls back to XLA for the compose;
-        the norm and the backward reduction keep their impl). The norm is unaffected by
+        which costs a second base GEMM on x_d. That call always composes in XLA (the Mosaic
+        compose has no dropout form: such a choice falls back to XLA). The norm is unaffected by
         dropout, so ``exact_norm_grad`` works as without it. Gradients reach x
         through both x and x_d. ``dropout_rate=0`` runs exactly the no-dropout program.
 
@@ -82,7 +81,7 @@ def dora_dense(
     and gradients are float64-accurate), so no ``g − 1`` ever forms in the activation dtype.
     In the backward g ⊙ dy saturates at ±finfo(x.dtype).max when rounded to x's dtype (a zero
     column, n clamped to eps, would overflow f16 and turn dx into NaN), as dora_torch does.
-    The Pallas compose rounds the output once; the XLA compose first rounds
+    The Mosaic compose rounds the output once; the XLA compose first rounds
     ``inner = base + s·h·b`` to x's dtype (XLA folds the add into the LoRA GEMM) and then once
     more after the f32 scale: two roundings, measured 2.8e-3 vs 2.2e-3 relative error in bf16
     (one rounding of the exact result: 1.7e-3), within the shared tolerance rule. Works under
@@ -117,12 +116,9 @@ def dora_dense(
     opts = Options(
         scaling=s,
         exact_norm_grad=bool(exact_norm_grad),
-        norm_impl=resolve_impl(impl, "norm", platform=platform, shape=shape),
         compose_impl=resolve_impl(impl, "compose", platform=platform, shape=shape, dtype=x.dtype),
-        reduce_impl=resolve_impl(impl, "scale_reduce", platform=platform, shape=shape),
         interpret=(platform != "gpu") if interpret is None else bool(interpret),
         chunk_size=chunk_size,
-        config=config,
         norm_sharding=norm_sharding,
     )
     kernel = kernel if kernel.dtype == x.dtype else kernel.astype(x.dtype)

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from shared_spec.initialization import scaling_for
 
 from .checks import check_dropout, check_rank, renamed_argument
-from .config import DEFAULT_BLOCKS, BlockConfig, default_adapter_dtype
+from .config import check_impl, default_adapter_dtype
 from .functional import dora_dense
 from .initializers import lora_a_init, lora_b_init
 from .merge import merge_weight, unmerge_weight
@@ -35,8 +35,8 @@ class DoraDense(nn.Module):
     Attributes (all but ``features`` keyword-only): ``r``, ``lora_alpha``, ``use_rslora``,
     ``lora_dropout`` as PEFT; ``use_bias``, ``dtype``, ``param_dtype``, ``kernel_init``,
     ``bias_init`` as ``nn.Dense``; ``adapter_dtype`` (default None: PEFT's rule, the kernel's
-    ``param_dtype``, or float32 over float16/bfloat16); ``impl``, ``exact_norm_grad``, ``config``
-    as ``dora_dense``. ``rank`` and ``alpha`` are deprecated aliases of ``r`` and
+    ``param_dtype``, or float32 over float16/bfloat16); ``impl`` and ``exact_norm_grad`` as
+    ``dora_dense``. ``rank`` and ``alpha`` are deprecated aliases of ``r`` and
     ``lora_alpha`` (a DeprecationWarning; they read as None once resolved).
 
     Adapter dropout (``lora_dropout > 0``) follows ``nn.Dropout``: active when ``deterministic``
@@ -58,12 +58,12 @@ class DoraDense(nn.Module):
     bias_init: Any = nn.initializers.zeros_init()
     impl: str = "auto"
     exact_norm_grad: bool = False
-    config: BlockConfig = DEFAULT_BLOCKS
     deterministic: bool | None = None
     rank: int | None = None  # deprecated alias of r
     alpha: float | None = None  # deprecated alias of lora_alpha
 
     def __post_init__(self):
+        check_impl(self.impl)
         # Resolve the deprecated aliases once; clones (Flax re-creates modules) then carry only
         # the new names, so they neither warn again nor see both names.
         r = renamed_argument("linen.DoraDense", "r", self.r, "rank", self.rank)
@@ -118,7 +118,6 @@ class DoraDense(nn.Module):
             bias,
             impl=self.impl,
             exact_norm_grad=self.exact_norm_grad,
-            config=self.config,
             dropout_rate=rate,
             dropout_rng=key,
             deterministic=key is None,

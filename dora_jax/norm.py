@@ -19,16 +19,9 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
-from . import kernels, xla_ops
+from . import xla_ops
 from .checks import check_adapter, check_chunk_size, check_scaling, check_vector
-from .config import (
-    DEFAULT_BLOCKS,
-    NORM_PRECISION,
-    BlockConfig,
-    acc_dtype,
-    current_platform,
-    resolve_impl,
-)
+from .config import NORM_PRECISION, acc_dtype, check_impl
 
 # contract axis 0 of both operands: aᵀK and aᵀa without materialising a transpose
 _CONTRACT_0 = (((0,), (0,)), ((), ()))
@@ -73,8 +66,6 @@ def factored_norm(
     base_sq=None,
     chunk_size=None,
     impl: str = "auto",
-    interpret: bool | None = None,
-    config: BlockConfig = DEFAULT_BLOCKS,
 ):
     """Column norms of ``kernel + s·lora_a·lora_b`` (Flax layout), [d_out].
 
@@ -82,8 +73,8 @@ def factored_norm(
       kernel: [d_in, d_out]. lora_a: [d_in, r]. lora_b: [r, d_out]. scaling: s (a number).
       base_sq: optional precomputed ``||kernel_:j||²`` [d_out] (see ``base_sq_norm``).
       chunk_size: accumulate the GEMMs over slices of d_in of this width.
-      impl: "auto", "pallas" or "xla" for the assembly step (the GEMMs are always XLA).
-      interpret: run Pallas in interpret mode; default: when the backend is not a GPU.
+      impl: "auto", "xla" or "mosaic", checked; every impl assembles the norm in XLA (there is
+        no Mosaic norm kernel).
 
     Precision (the rule shared with dora_torch): lora_a is rounded to the kernel's dtype for
     U = aᵀK and G = aᵀa, which accumulate in promote(f32, kernel dtype); lora_b enters the
@@ -91,22 +82,11 @@ def factored_norm(
     f32 for bf16/f16/f32 inputs, f64 for f64 inputs (with ``jax_enable_x64``). Never forms the
     dense [d_in, d_out] product a·b.
     """
-    d_in, d_out, r = check_adapter(kernel, lora_a, lora_b)
+    _, d_out, _ = check_adapter(kernel, lora_a, lora_b)
     s = check_scaling(scaling)
     check_vector("base_sq", base_sq, d_out)
-    platform = current_platform()
-    chosen = resolve_impl(impl, "norm", platform=platform, shape=(0, d_in, d_out, r))
-    n, _ = norm_parts(
-        kernel,
-        lora_a,
-        lora_b,
-        base_sq,
-        scaling=s,
-        impl=chosen,
-        interpret=(platform != "gpu") if interpret is None else interpret,
-        chunk_size=chunk_size,
-        config=config,
-    )
+    check_impl(impl)
+    n, _ = norm_parts(kernel, lora_a, lora_b, base_sq, scaling=s, chunk_size=chunk_size)
     return n
 
 
@@ -117,55 +97,32 @@ def norm_parts(
     base_sq,
     *,
     scaling,
-    impl,
-    interpret,
     chunk_size,
-    config,
     grad_parts: bool = False,
 ):
     """(n, w): the factored norm, and with ``grad_parts`` w = s·U + s²·G·b [r, d_out].
 
     w is the one product the exact norm gradient needs from the norm (db += c ⊙ w); it is
     returned instead of U and G so the backward neither keeps them nor recomputes G·b.
-    The one implementation behind ``factored_norm`` and the custom_vjp's forward; ``impl`` is
-    already resolved ("pallas" or "xla"), arguments already checked.
+    The one implementation behind ``factored_norm`` and the custom_vjp's forward; arguments
+    already checked.
     """
     b = lora_b.astype(acc_dtype(lora_b.dtype))  # never rounded down to the kernel's dtype
     dt = acc_dtype(kernel.dtype, b.dtype)  # the assembly's dtype
     u, gram = norm_gemms(kernel, lora_a, chunk_size=chunk_size)
     if base_sq is None:
         base_sq = base_sq_norm(kernel, chunk_size=chunk_size)
-    return assemble_parts(
-        u, gram, b, base_sq, dt=dt, scaling=scaling, impl=impl, interpret=interpret,
-        config=config, grad_parts=grad_parts,
-    )  # fmt: skip
+    return assemble_parts(u, gram, b, base_sq, dt=dt, scaling=scaling, grad_parts=grad_parts)
 
 
-def assemble_parts(u, gram, b, base_sq, *, dt, scaling, impl, interpret, config, grad_parts):
-    """(n, w or None) from U, G, b and ‖K‖² (cast to ``dt``): the Pallas norm assembly or XLA,
-    and with ``grad_parts`` w = s·U + s²·G·b. Shared by ``norm_parts`` and the sharded norm
-    (``dora_jax.sharding``), which only differ in where U, G and ‖K‖² come from."""
+def assemble_parts(u, gram, b, base_sq, *, dt, scaling, grad_parts):
+    """(n, w or None) from U, G, b and ‖K‖² (cast to ``dt``), in XLA, and with ``grad_parts``
+    w = s·U + s²·G·b. Shared by ``norm_parts`` and the sharded norm (``dora_jax.sharding``),
+    which only differ in where U, G and ‖K‖² come from."""
     u, gram, b, base_sq = (v.astype(dt) for v in (u, gram, b, base_sq))
-    gb = None
-    if impl == "pallas":
-        n = kernels.norm_assembly(
-            u,
-            gram,
-            b,
-            base_sq,
-            scaling=scaling,
-            precision=NORM_PRECISION,
-            config=config,
-            interpret=interpret,
-        )
-    else:
-        gb = xla_ops.gram_times_b(gram, b, precision=NORM_PRECISION)
-        n = xla_ops.norm_from_gb(u, gb, b, base_sq, scaling=scaling)
-    w = None
-    if grad_parts:
-        if gb is None:  # the Pallas assembly keeps G·b inside the kernel
-            gb = xla_ops.gram_times_b(gram, b, precision=NORM_PRECISION)
-        w = scaling * u + scaling * scaling * gb
+    gb = xla_ops.gram_times_b(gram, b, precision=NORM_PRECISION)
+    n = xla_ops.norm_from_gb(u, gb, b, base_sq, scaling=scaling)
+    w = scaling * u + scaling * scaling * gb if grad_parts else None
     return n, w
 
 

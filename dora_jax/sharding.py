@@ -22,15 +22,12 @@ What this module adds:
     place(model, mesh)                    device_put every Variable by its metadata
     NormSharding, sharded_norm_parts,     the factored norm as a shard_map: partial ‖K‖²,
     sharded_factored_norm, layer_norm     U = aᵀK and G = aᵀa per shard, psum over the axes
-                                          that shard d_in, local assembly (XLA or Pallas)
+                                          that shard d_in, local assembly
 
-On the GPU a Pallas kernel is an opaque custom call that XLA's partitioner cannot split (in
-interpret mode on the CPU it is plain HLO and does get partitioned, though not well: the
-column-parallel Pallas norm comes out replicated, after an all-reduce); ``shard_map`` runs it
-per shard instead. Column-parallel (d_out sharded) needs no communication;
-row-parallel (d_in sharded) one psum of U [r, d_out], G [r, r] and ‖K‖² [d_out] before the
-assembly (``kernels.norm_assembly`` or ``xla_ops``), which then runs on whole columns.
-The result equals ``factored_norm`` up to the order of the d_in sums.
+The shard_map states the norm's communication instead of leaving it to XLA's partitioner.
+Column-parallel (d_out sharded) needs no communication; row-parallel (d_in sharded) one psum
+of U [r, d_out], G [r, r] and ‖K‖² [d_out] before the assembly (``xla_ops``), which then runs
+on whole columns. The result equals ``factored_norm`` up to the order of the d_in sums.
 
 Wiring the sharded norm into ``DoraDense``'s training step needs a core hook (the custom_vjp
 computes its norm itself; ``norm=`` is refused while the adapters are differentiated). For
@@ -49,13 +46,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from .checks import check_adapter, check_chunk_size, check_scaling, check_vector
-from .config import (
-    DEFAULT_BLOCKS,
-    BlockConfig,
-    acc_dtype,
-    current_platform,
-    resolve_impl,
-)
+from .config import acc_dtype, check_impl
 from .norm import assemble_parts, base_sq_norm, norm_gemms
 
 P = PartitionSpec
@@ -190,10 +181,8 @@ def sharded_norm_parts(
     *,
     sharding: NormSharding,
     scaling: float,
-    impl: str,
-    interpret: bool,
+    impl: str = "xla",
     chunk_size: int | None = None,
-    config: BlockConfig = DEFAULT_BLOCKS,
     grad_parts: bool = False,
 ):
     """``norm.norm_parts`` as a ``shard_map`` over ``sharding.mesh``: (n [d_out], w or None).
@@ -201,13 +190,14 @@ def sharded_norm_parts(
     Per shard: ‖K_:j‖² (unless ``base_sq`` is given), U = aᵀK [r, d_out_local] and
     G = aᵀa [r, r] on the local slice of d_in, in promote(f32, kernel dtype); then one psum
     of the three over ``sharding.in_axes`` (none when only d_out is sharded), and the
-    assembly on the local columns: ``kernels.norm_assembly`` (impl "pallas") or
-    ``xla_ops`` (impl "xla", already resolved), with w = s·U + s²·G·b when ``grad_parts``.
+    assembly on the local columns (``xla_ops``; ``impl`` is checked, and every impl assembles
+    the norm in XLA), with w = s·U + s²·G·b when ``grad_parts``.
     Arguments are the global arrays; shard_map moves them to kernel P(i, o), lora_a P(i, None),
     lora_b P(None, o), base_sq P(o) (free when they already lie so). n comes back P(o) and w
     P(None, o). The precision rule is ``norm_parts``'s (a rounded to the kernel's dtype for
-    both GEMMs, b never rounded below f32). Differentiable when impl is "xla".
+    both GEMMs, b never rounded below f32). Differentiable.
     """
+    check_impl(impl)
     in_axes, out_axes = sharding.in_axes, sharding.out_axes
     a_spec, b_spec, n_spec = adapter_specs(sharding.kernel_spec)
     k_spec = P(_entry(in_axes), _entry(out_axes))
@@ -225,21 +215,14 @@ def sharded_norm_parts(
             sq = base_sq_norm(kernel, chunk_size=chunk_size)
             if in_axes:
                 u, gram, sq = jax.lax.psum((u, gram, sq), in_axes)
-        n, w = assemble_parts(
-            u, gram, b, sq, dt=dt, scaling=scaling, impl=impl, interpret=interpret,
-            config=config, grad_parts=grad_parts,
-        )  # fmt: skip
+        n, w = assemble_parts(u, gram, b, sq, dt=dt, scaling=scaling, grad_parts=grad_parts)
         return n if w is None else (n, w)
 
     in_specs = (k_spec, a_spec, b_spec) + ((n_spec,) if has_base_sq else ())
     args = (kernel, lora_a, lora_b) + ((base_sq,) if has_base_sq else ())
     out_specs = (n_spec, b_spec) if grad_parts else n_spec
     kw = {} if sharding.mesh is None else {"mesh": sharding.mesh}
-    # pallas_call's out_shape carries no varying-manual-axes type, which check_vma demands;
-    # the specs above are exact either way.
-    mapped = jax.shard_map(
-        local, in_specs=in_specs, out_specs=out_specs, check_vma=impl != "pallas", **kw
-    )
+    mapped = jax.shard_map(local, in_specs=in_specs, out_specs=out_specs, **kw)
     out = mapped(*args)
     return out if grad_parts else (out, None)
 
@@ -255,18 +238,15 @@ def sharded_factored_norm(
     base_sq=None,
     chunk_size=None,
     impl: str = "auto",
-    interpret: bool | None = None,
-    config: BlockConfig = DEFAULT_BLOCKS,
 ):
     """``factored_norm`` of a kernel that lies on ``mesh`` as ``kernel_spec`` ([d_in, d_out]
     entries, e.g. ``(None, "model")`` column- or ``("model", None)`` row-parallel), as a
     ``shard_map`` (``sharded_norm_parts``). Same arguments and result as ``factored_norm``;
     n comes back sharded like d_out. ``mesh`` None: the mesh of the context
-    (``jax.set_mesh``). ``impl="pallas"`` runs the Pallas assembly on each shard's columns."""
-    d_in, d_out, r = check_adapter(kernel, lora_a, lora_b)
+    (``jax.set_mesh``)."""
+    _, d_out, _ = check_adapter(kernel, lora_a, lora_b)
     s = check_scaling(scaling)
     check_vector("base_sq", base_sq, d_out)
-    platform = current_platform()
     n, _ = sharded_norm_parts(
         kernel,
         lora_a,
@@ -274,10 +254,8 @@ def sharded_factored_norm(
         base_sq,
         sharding=NormSharding(kernel_spec, mesh),
         scaling=s,
-        impl=resolve_impl(impl, "norm", platform=platform, shape=(0, d_in, d_out, r)),
-        interpret=(platform != "gpu") if interpret is None else bool(interpret),
+        impl=impl,
         chunk_size=check_chunk_size(chunk_size),
-        config=config,
     )
     return n
 
@@ -306,7 +284,6 @@ def layer_norm(layer, mesh: Mesh | None = None, *, impl: str | None = None, dtyp
         mesh=mesh,
         base_sq=None if layer.base_sq is None else layer.base_sq.get_value(),
         impl=layer.impl if impl is None else impl,
-        config=layer.config,
     )
 
 

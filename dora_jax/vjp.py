@@ -6,13 +6,13 @@ for bf16/f16/f32 activations, f64 for f64 ones with ``jax_enable_x64``); "f32" b
     n = ||K + s·a·b||_col          factored (U = aᵀK, G = aᵀa), acc, or given precomputed
     g = m / max(n, eps)            acc
     h = x·a (cd),  base = x·K (cd)
-    y = g ⊙ (base + s·h·b) + bias  (g applied in acc; Pallas and Mosaic round once, XLA rounds
-                                    inner first)
+    y = g ⊙ (base + s·h·b) + bias  (g applied in acc; Mosaic rounds once, XLA rounds inner
+                                    first)
 
 Backward (docs/design.md §4) with dy_g = g ⊙ dy, P = hᵀ·dy [r, N] and ``saved`` the [T, N]
 activation
-the forward kept (``inner`` = base + s·h·b from the XLA compose, or ``base`` from the Pallas
-and Mosaic ones, whose fused epilogues never materialise inner):
+the forward kept (``inner`` = base + s·h·b from the XLA compose, or ``base`` from the Mosaic
+one, whose fused epilogue never materialises inner):
 
     dm = (Σ_t dy ⊙ inner) / n,  Σ_t dy ⊙ inner = Σ_t dy ⊙ base + s·Σ_k b ⊙ P
     db = s·P ⊙ g,   q = s·dy_g·bᵀ [T, r],   da = xᵀ·q,   dx = dy_g·Kᵀ + q·aᵀ,   dK = xᵀ·dy_g
@@ -56,8 +56,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.custom_derivatives import SymbolicZero
 
-from . import kernels, mosaic, xla_ops
-from .config import BlockConfig, acc_dtype, dot_precision
+from . import mosaic, xla_ops
+from .config import acc_dtype, dot_precision
 from .norm import norm_parts
 from .sharding import NormSharding, sharded_norm_parts
 from .xla_ops import magnitude_scale, magnitude_scale_minus_one, norm_is_clamped, safe_norm
@@ -68,16 +68,14 @@ _CONTRACT_1 = (((1,), (1,)), ((), ()))  # a·bᵀ without a transpose
 
 @dataclass(frozen=True)
 class Options:
-    """Static (hashable) configuration of one call; impls are already resolved per op."""
+    """Static (hashable) configuration of one call; the compose's impl is already resolved
+    ("mosaic" or "xla"; the norm and the backward's reduction always run in XLA)."""
 
     scaling: float
     exact_norm_grad: bool
-    norm_impl: str
     compose_impl: str
-    reduce_impl: str
-    interpret: bool
+    interpret: bool  # run the Mosaic compose in Pallas' GPU interpreter
     chunk_size: int | None
-    config: BlockConfig
     norm_sharding: NormSharding | None = None  # the norm as a shard_map (dora_jax.sharding)
 
 
@@ -93,10 +91,7 @@ def _norm_parts(opts: Options, kernel, lora_a, lora_b, base_sq):
         lora_b,
         base_sq,
         scaling=opts.scaling,
-        impl=opts.norm_impl,
-        interpret=opts.interpret,
         chunk_size=opts.chunk_size,
-        config=opts.config,
         grad_parts=opts.exact_norm_grad,
     )
 
@@ -118,19 +113,6 @@ def _forward(opts: Options, x, x_d, kernel, lora_a, lora_b, magnitude, bias, bas
     base = jnp.dot(x, kernel)
     if opts.compose_impl == "mosaic" and x_d is None:
         y = mosaic.compose(base, h, b_c, g, bias, scaling=s, interpret=opts.interpret)
-        saved, saved_is_inner = base, False
-    elif opts.compose_impl == "pallas" and x_d is None:
-        y = kernels.compose(
-            base,
-            h,
-            b_c,
-            g,
-            bias,
-            scaling=s,
-            precision=dot_precision(cd),
-            config=opts.config,
-            interpret=opts.interpret,
-        )
         saved, saved_is_inner = base, False
     else:
         dropout = (
@@ -205,10 +187,7 @@ def _bwd(opts: Options, packed, dy):
     b_c = lora_b.astype(cd)
     a_c = lora_a.astype(cd)
 
-    if opts.reduce_impl == "pallas":
-        dy_g, col = kernels.scale_reduce(dy, saved, g, config=opts.config, interpret=opts.interpret)
-    else:
-        dy_g, col = xla_ops.scale_reduce(dy, saved, g)
+    dy_g, col = xla_ops.scale_reduce(dy, saved, g)
     # The adapter's input and the cotangent of its base product: (x, dy_g), or with dropout
     # (x_d, dy_g1); the base product of x itself then takes plain dy.
     dropout = x_d is not None

@@ -1,5 +1,6 @@
-"""XLA counterparts of the Pallas kernels in ``dora_jax.kernels`` (same math, same shapes), and
-the one definition of the magnitude factor g = m / max(n, eps) and of g − 1 = (m − n)/n.
+"""The memory-bound parts of DoRA in XLA (norm assembly, compose, scale-and-reduce; on Hopper
+``dora_jax.mosaic`` can fuse the compose instead), and the one definition of the magnitude
+factor g = m / max(n, eps) and of g − 1 = (m − n)/n.
 
 Written so XLA fuses each into the GEMM next to it or into one elementwise pass: activations stay
 in their dtype, only the per-column quantities (g, norms, sums) are in the accumulation dtype
@@ -106,9 +107,3 @@ def norm_from_gb(u, gb, lora_b, base_sq, *, scaling: float):
     cross_gram = 2.0 * scaling * u.astype(dt) + scaling * scaling * gb.astype(dt)
     sq = base_sq.astype(dt) + jnp.sum(b * cross_gram, axis=0)
     return jnp.sqrt(jnp.maximum(sq, 0.0))
-
-
-def norm_assembly(u, gram, lora_b, base_sq, *, scaling: float, precision=None):
-    """n_j = sqrt(max(base_sq_j + Σ_k b_kj (2s·U_kj + s²·(G b)_kj), 0)) [N]."""
-    gb = gram_times_b(gram, lora_b, precision=precision)
-    return norm_from_gb(u, gb, lora_b, base_sq, scaling=scaling)

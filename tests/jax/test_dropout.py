@@ -51,12 +51,11 @@ def _ours(k, s, **kw):
 
 
 @pytest.mark.parametrize("exact", [False, True], ids=["detached", "exact"])
-@pytest.mark.parametrize("impl", ["xla", "pallas"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("name", ["basic", "batched_3d", "magnitude_perturbed", "near_unity_g"])
-def test_dropout_matches_spec_with_the_same_mask(name, dtype, impl, exact):
-    """Forward and every gradient vs shared_spec's dropout form, x_d built from the same mask;
-    impl="pallas" checks the fallback to the XLA compose (norm and reduction stay Pallas)."""
+def test_dropout_matches_spec_with_the_same_mask(name, dtype, exact):
+    """Forward and every gradient vs shared_spec's dropout form, x_d built from the same mask
+    (the Mosaic compose's fallback to this XLA form: test_mosaic.py)."""
     d = CASES[name].make(0)
     kernel, lora_a, lora_b = S.to_flax_layout(d.W, d.A, d.B)
     x, k, a, b, m, bias = (_cast(v, dtype) for v in (d.x, kernel, lora_a, lora_b, d.m, d.bias))
@@ -71,7 +70,8 @@ def test_dropout_matches_spec_with_the_same_mask(name, dtype, impl, exact):
     # dx_d reaches x through x_d = mask·x/(1 − rate)
     ref_dx = ref.dx + np.asarray(mask) / (1.0 - RATE) * ref.dx_dropped
 
-    y, grads = _value_and_vjp(_ours(k, s, impl=impl, exact_norm_grad=exact), (x, a, b, m, bias), dy)
+    ours = _ours(k, s, impl="xla", exact_norm_grad=exact)
+    y, grads = _value_and_vjp(ours, (x, a, b, m, bias), dy)
 
     def naive(x, a, b, m, bias):
         return _naive_dropout_dora(x, k, a, b, m, s, bias, mask, exact)
@@ -80,7 +80,7 @@ def test_dropout_matches_spec_with_the_same_mask(name, dtype, impl, exact):
     assert y.dtype == x.dtype and y.shape == ref_y.shape
     eps = float(jnp.finfo(dtype).eps)
     floor = eps if dtype == jnp.float32 else None  # as spec_check: f32 floor of one ulp
-    tag = f"{name}/{jnp.dtype(dtype).name}/{impl}/exact={exact}"
+    tag = f"{name}/{jnp.dtype(dtype).name}/exact={exact}"
     assert_close(f64(y), ref_y, f64(y0), machine_eps=eps, floor=floor, name=f"{tag} y")
     refs = (ref_dx, ref.dA.T, ref.dB.T, ref.dm, ref.dbias)
     for q, g, g0, r in zip(("dx", "dA", "dB", "dm", "dbias"), grads, grads0, refs):
@@ -88,8 +88,8 @@ def test_dropout_matches_spec_with_the_same_mask(name, dtype, impl, exact):
         assert_close(f64(g), r, f64(g0), machine_eps=eps, floor=floor, name=f"{tag} {q}")
 
 
-@pytest.mark.parametrize("impl", ["xla", "pallas"])
-def test_check_grads_on_the_dropout_path(impl):
+def test_check_grads_on_the_dropout_path():
+    impl = "xla"
     d = CASES["odd_shapes"].make(0)
     kernel, lora_a, lora_b = S.to_flax_layout(d.W, d.A, d.B)
     x, k, a, b, m, bias = (

@@ -58,10 +58,9 @@ def _snapshot(model, filt):
     return [np.array(v) for v in jax.tree.leaves(state)]
 
 
-@pytest.mark.parametrize("impl", ["xla", "pallas"])
-def test_training_changes_only_the_adapter_and_lowers_loss(impl):
+def test_training_changes_only_the_adapter_and_lowers_loss():
     model = _Mlp(nnx.Rngs(0))
-    replaced = inject(model, target=r"^(up|down)$", rank=4, alpha=8, rngs=nnx.Rngs(1), impl=impl)
+    replaced = inject(model, target=r"^(up|down)$", rank=4, alpha=8, rngs=nnx.Rngs(1), impl="xla")
     assert replaced == ["down", "up"] or replaced == ["up", "down"]
     assert isinstance(model.up, DoraDense) and isinstance(model.head, nnx.Linear)
     frozen_before = _snapshot(model, nnx.Not(nnx.LoRAParam))

@@ -231,9 +231,8 @@ def _worker(out: pathlib.Path) -> None:
     cases = [
         ("xla", False, (COL, ROW), False),
         ("xla", True, (COL, ROW), False),
-        ("pallas", False, (ROW,), False),
-        # shard_norm: the norm as a shard_map (what a GPU Pallas norm on a mesh needs)
-        ("pallas", False, (COL, ROW), True),
+        # shard_norm: the norm as a shard_map
+        ("xla", False, (COL, ROW), True),
         ("xla", True, (COL, ROW), True),
     ]
     for impl, exact, kernels, shard_norm in cases:
@@ -316,23 +315,20 @@ def _worker(out: pathlib.Path) -> None:
             jax.device_put(a, NamedSharding(mesh, sa)),
             jax.device_put(b, NamedSharding(mesh, sb)),
         )
-        for impl in ("xla", "pallas"):
-            f = jax.jit(
-                lambda k, a, b, spec=spec, impl=impl: sharded_factored_norm(
-                    k, a, b, 2.0, kernel_spec=spec, mesh=mesh, impl=impl
-                )
+        f = jax.jit(
+            lambda k, a, b, spec=spec: sharded_factored_norm(
+                k, a, b, 2.0, kernel_spec=spec, mesh=mesh, impl="xla"
             )
-            compiled = f.lower(*args).compile()
-            n = compiled(*args)
-            record(f"norm/{label}/{impl}", n, want)
-            facts[f"norm/{label}/{impl}"] = {"spec": _spec(n), **collectives(compiled)}
+        )
+        compiled = f.lower(*args).compile()
+        n = compiled(*args)
+        record(f"norm/{label}/xla", n, want)
+        facts[f"norm/{label}/xla"] = {"spec": _spec(n), **collectives(compiled)}
         # norm_parts' form: the mesh from the context, a given base_sq (not psum-ed), and w
         parts = functools.partial(
             sharded_norm_parts,
             sharding=NormSharding(spec),
             scaling=2.0,
-            impl="xla",
-            interpret=True,
             grad_parts=True,
         )
         with jax.set_mesh(mesh):
@@ -340,19 +336,15 @@ def _worker(out: pathlib.Path) -> None:
             n, w = jax.jit(parts)(*args, sq)
         record(f"norm/{label}/parts-n", n, want)
         record(f"norm/{label}/parts-w", w, want_w)
-        if label == "col":  # for contrast: the Pallas norm left to XLA's partitioner
-            g = jax.jit(lambda k, a, b: factored_norm(k, a, b, 2.0, impl="pallas"))
-            compiled = g.lower(*args).compile()
-            facts["auto/col/pallas"] = {"spec": _spec(compiled(*args)), **collectives(compiled)}
 
-    # 5. Inference with a frozen norm computed by the shard_map (Pallas assembly).
+    # 5. Inference with a frozen norm computed by the shard_map.
     from dora_jax import DoraCache
 
     with jax.set_mesh(mesh):
         layer = dense(ROW, "xla", False)
         call = nnx.jit(lambda m, x: m(x))
         y_live = call(layer, x_sharded)
-        layer.frozen_norm = DoraCache(layer_norm(layer, mesh, impl="pallas"))
+        layer.frozen_norm = DoraCache(layer_norm(layer, mesh))
         y_frozen = call(layer, x_sharded)
         record("frozen/norm", layer.frozen_norm.get_value(), layer.norm())
     record("frozen/y", y_frozen, y_live)
@@ -418,16 +410,13 @@ def _compare(arrays, prefix, rtol=RTOL):
     return names
 
 
-@pytest.mark.parametrize(
-    "case", ["xla", "xla-exact", "pallas", "pallas-shard-norm", "xla-exact-shard-norm"]
-)
+@pytest.mark.parametrize("case", ["xla", "xla-exact", "xla-shard-norm", "xla-exact-shard-norm"])
 def test_dense_matches_unsharded(multi, case):
     """Forward and the three adapter gradients under a 2×2 mesh (x on "data", the kernel
     column- or row-parallel) equal the unsharded layer's, the norm's gradient included
-    (exact_norm_grad). XLA partitions the XLA path. On the CPU Pallas runs in interpret mode,
-    plain HLO that XLA partitions too (not so a GPU kernel: see the shard_map norm)."""
+    (exact_norm_grad). XLA partitions the XLA path; with shard_norm the norm is a shard_map."""
     arrays, facts = multi
-    splits = ("row",) if case == "pallas" else ("col", "row")
+    splits = ("col", "row")
     names = _compare(arrays, f"dense/{case}/")  # "/" ends the tag: no prefix collisions
     assert len(names) == 4 * len(splits)  # (y, da, db, dm) per split
     for split in splits:
@@ -450,18 +439,17 @@ def test_injected_llama_matches_unsharded(multi):
 
 def test_shard_map_norm_matches_and_communicates_only_for_sharded_d_in(multi):
     """d_out sharded: no collective and n stays sharded. d_in sharded: one all-reduce (the
-    psum of ‖K‖², U and G) and no all-gather. The same for the Pallas assembly."""
+    psum of ‖K‖², U and G) and no all-gather."""
     arrays, facts = multi
-    assert len(_compare(arrays, "norm/")) == 3 * 4  # (xla, pallas, parts n and w) × 3 splits
-    for impl in ("xla", "pallas"):
-        col = facts[f"norm/col/{impl}"]
-        assert col["spec"] == ["model"]
-        assert sum(v for k, v in col.items() if k != "spec") == 0, col
-        for label in ("row", "2d"):
-            f = facts[f"norm/{label}/{impl}"]
-            assert f["all-reduce"] == 1 and f["all-gather"] == 0, (label, f)
-        assert facts[f"norm/row/{impl}"]["spec"] == []
-        assert facts[f"norm/2d/{impl}"]["spec"] == ["model"]
+    assert len(_compare(arrays, "norm/")) == 3 * 3  # (xla, parts n and w) × 3 splits
+    col = facts["norm/col/xla"]
+    assert col["spec"] == ["model"]
+    assert sum(v for k, v in col.items() if k != "spec") == 0, col
+    for label in ("row", "2d"):
+        f = facts[f"norm/{label}/xla"]
+        assert f["all-reduce"] == 1 and f["all-gather"] == 0, (label, f)
+    assert facts["norm/row/xla"]["spec"] == []
+    assert facts["norm/2d/xla"]["spec"] == ["model"]
 
 
 def test_frozen_norm_from_shard_map(multi):
