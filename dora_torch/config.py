@@ -104,10 +104,10 @@ def lora_gemm_config(M: int, N: int) -> GemmConfig:
 LORA_GEMM_BLOCK_K = 64
 
 #: Memory-bound passes (the one-pass norm, the backward scale-and-reduce) split their
-#: reduction until they have this many programs per SM: fewer leave SMs idle (run 29: the norm
-#: pass at 64 programs on 132 SMs read W at 1.2 TB/s). 0 turns the splitting off: the default
-#: until the split kernels have run on a GPU (tested through the interpreter and compiled for
-#: sm_90 only; benchmarks/NOTES.md, session 9). 2 is the value the benches try.
+#: reduction until they have this many programs per SM (2 is the value the benches try). 0
+#: turns the splitting off, the default: on the H200 the split passes were slower per decoder
+#: layer than the unsplit ones (run 30, benchmarks/NOTES.md session 10), although the norm pass
+#: at 64 programs on 132 SMs reads W at only 1.2 TB/s (run 29).
 PROGRAMS_PER_SM = 0
 
 
