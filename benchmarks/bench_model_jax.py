@@ -12,7 +12,11 @@ Providers (each on a fresh ``nnx.merge`` of the same base state; bf16 activation
   - ``jnp_dora_naive``: DoRA written naively in jnp (``dora_jax.baselines.naive_dora_dense``:
     dense ``K + s·a·b``, everything in bf16), bf16 adapters;
   - ``ours_f32`` / ``ours_bf16``: ``dora_jax.inject`` (DoraDense, ``impl="auto"``) with f32
-    (the default) / bf16 adapter parameters; ‖K‖² cached (``cache_base_sq``; K is frozen).
+    (the default) / bf16 adapter parameters; ‖K‖² cached (``cache_base_sq``; K is frozen);
+  - ``ours_mosaic``: as ``ours_bf16`` with ``impl="mosaic"`` (the Mosaic GPU compose on
+    Hopper, which every projection's shape here takes; XLA elsewhere).
+
+``DORA_BENCH_JAX_PROVIDERS`` (comma-separated) runs a subset; jnp_lora is needed for ratios.
 
 Metrics: ``inference_ms`` (jitted forward; ours with ``freeze_norm()``, the norm computed once
 for a fixed adapter), ``inference_cold_ms`` (ours recomputing the norm in every call),
@@ -46,8 +50,17 @@ PROVIDERS = {
     "jnp_dora_naive": "naive jnp DoRA (dense K + s·a·b), bf16 adapters",
     "ours_f32": "ours (dora_jax.inject), f32 adapter params",
     "ours_bf16": "ours (dora_jax.inject), bf16 adapter params",
+    "ours_mosaic": "ours (dora_jax.inject, impl='mosaic': the Mosaic GPU compose), bf16 adapters",
 }
-TARGETS = {"time_vs_lora": 1.10, "memory_vs_lora": 1.05}  # the torch model targets, analogously
+OURS = ("ours_f32", "ours_bf16", "ours_mosaic")
+# Issue 14's training-step targets (≤ 1.05× jnp LoRA, ≥ 1.2× faster than naive jnp DoRA); the
+# inference and grad-only lines keep the torch model targets' 1.10×.
+TARGETS = {
+    "time_vs_lora": 1.10,
+    "train_vs_lora": 1.05,
+    "train_vs_naive": 1.2,
+    "memory_vs_lora": 1.05,
+}
 GIB = 2.0**30
 
 
@@ -57,6 +70,15 @@ def layers() -> int:
 
 def ranks() -> list[int]:
     return [int(r) for r in os.environ.get("DORA_BENCH_JAX_RANKS", "384").split(",") if r]
+
+
+def providers() -> list[str]:
+    """``DORA_BENCH_JAX_PROVIDERS`` (comma-separated names of PROVIDERS; default: all)."""
+    names = [p for p in os.environ.get("DORA_BENCH_JAX_PROVIDERS", "").split(",") if p]
+    unknown = [p for p in names if p not in PROVIDERS]
+    if unknown:
+        raise ValueError(f"DORA_BENCH_JAX_PROVIDERS: unknown {unknown}; known: {list(PROVIDERS)}")
+    return names or list(PROVIDERS)
 
 
 def _tiny() -> bool:
@@ -163,8 +185,9 @@ def _adapt(model, name: str, rank: int):
     from dora_jax import DoraDense
 
     dtype = jnp.float32 if name == "ours_f32" else jnp.bfloat16
+    impl = "mosaic" if name == "ours_mosaic" else "auto"
     dora_jax.inject(model, target_modules=list(TARGET_NAMES), r=rank, lora_alpha=2 * rank,
-                    rngs=rngs, adapter_dtype=dtype)  # fmt: skip
+                    rngs=rngs, adapter_dtype=dtype, impl=impl)  # fmt: skip
     for _, node in nnx.iter_graph(model):
         if isinstance(node, DoraDense):
             node.cache_base_sq()
@@ -253,26 +276,33 @@ def _summary(by_name: dict[str, dict], n_layers: int, rank: int) -> list[dict]:
         x, y = by_name.get(a, {}).get(key), by_name.get(b, {}).get(key)
         return None if x is None or y is None or y == 0 else x / y
 
-    def add(metric, value, limit=None):
+    def add(metric, value, limit=None, at_least=None):
         if value is None:
             return
         row = dict(bench="model_jax", metric=f"{metric} [{n_layers}L r={rank}]", value=value)
         if limit is not None:
             row.update(target=f"<= {limit}", ok=value <= limit)
+        if at_least is not None:
+            row.update(target=f">= {at_least}", ok=value >= at_least)
         out.append(row)
 
-    for ours in ("ours_f32", "ours_bf16"):
+    for ours in OURS:
         for key, what in (
             ("inference_ms", "inference"),
             ("grad_ms", "grad step"),
             ("train_ms", "training step"),
         ):
+            train = key == "train_ms"
             add(
                 f"{ours} / jnp LoRA bf16, {what} time",
                 ratio(ours, "jnp_lora", key),
-                TARGETS["time_vs_lora"],
+                TARGETS["train_vs_lora" if train else "time_vs_lora"],
             )
-            add(f"speedup naive jnp DoRA / {ours}, {what}", ratio("jnp_dora_naive", ours, key))
+            add(
+                f"speedup naive jnp DoRA / {ours}, {what}",
+                ratio("jnp_dora_naive", ours, key),
+                at_least=TARGETS["train_vs_naive"] if train else None,
+            )
         add(
             f"{ours} / jnp LoRA bf16, grad temp memory",
             ratio(ours, "jnp_lora", "grad_temp_gib"),
@@ -302,7 +332,8 @@ def run(out_dir: pathlib.Path) -> list[dict]:
     rows, summary = [], []
     for rank in ranks():
         by_name = {}
-        for name, label in PROVIDERS.items():
+        for name in providers():
+            label = PROVIDERS[name]
             row = dict(provider=name, label=label, layers=n_layers, rank=rank, error="")
             try:
                 model = nnx.merge(gdef, state)  # a fresh module tree over the same base arrays
