@@ -78,3 +78,26 @@ def test_mosaic_compose_matches_float64(tokens, d_out, rank, dtype, in_flight):
     config = MosaicConfig(compose_max_concurrent_steps=3, compose_wgmma_in_flight=in_flight)
     compose = jax.jit(functools.partial(mosaic.compose, config=config), static_argnames="scaling")
     check_compose(compose, tokens, d_out, rank, dtype)
+
+
+def test_scalora_merge_rewrites_the_kernel_in_place():
+    """The blocked merge (``scalora.merge_scaled``) on a donated bf16 kernel compiles to an
+    in-place update: its temporaries hold one f32 block of rows, not a copy of the kernel
+    (XLA's CPU backend does copy it; the GPU backend writes a dynamic-update-slice in place
+    when the slice it reads has the same indices)."""
+    import optax
+
+    from dora_jax import config
+    from dora_jax.scalora import scalora_update_jit
+
+    d_in, d_out, r, bf = 8192, 8192, 64, jnp.bfloat16
+    spec = jax.ShapeDtypeStruct
+    adapters = {"l": {"lora_a": spec((d_in, r), bf), "lora_b": spec((r, d_out), bf)}}
+    base = {"l": spec((d_in, d_out), bf)}
+    state = jax.eval_shape(optax.adamw(1e-3).init, adapters)
+    compiled = scalora_update_jit.lower(
+        adapters, base, state, adapters, lr_times_L=1.0, scaling=2.0
+    ).compile()
+    temp = compiled.memory_analysis().temp_size_in_bytes
+    block = config.SCALORA_MERGE_ROWS * d_out * 4
+    assert temp < block + d_in * d_out * 2 // 2, (temp, block)
