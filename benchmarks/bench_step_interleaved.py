@@ -16,9 +16,7 @@ Variants (each on a fresh copy of the 8-layer base, ``lora_alpha = 2r``, AdamW f
     stay on, so this is not session 4's code;
   - ``ours_kernel_assembly``: the norm always assembled by the fused kernel
     (``NORM_ASSEMBLY = "kernel"``, the default before session 6);
-  - ``ours_no_norm_pass``: the norm without the one-pass kernel (``NORM_PASS_MAX_RANK = 0``);
-  - ``ours_split``: the memory-bound passes split to fill the SMs (``PROGRAMS_PER_SM = 2``;
-    off by default until measured).
+  - ``ours_no_norm_pass``: the norm without the one-pass kernel (``NORM_PASS_MAX_RANK = 0``).
 
     python3 -m benchmarks.bench_step_interleaved --ranks 16 384 --adapters bf16 fp32
 """
@@ -42,7 +40,6 @@ VARIANTS = {
     "ours_triton_launch": ("ours", {"NORM_GROUP_GRAPHS": False, "FAST_TRITON_LAUNCH": False}),
     "ours_kernel_assembly": ("ours", {"NORM_ASSEMBLY": "kernel"}),
     "ours_no_norm_pass": ("ours", {"NORM_PASS_MAX_RANK": 0}),
-    "ours_split": ("ours", {"PROGRAMS_PER_SM": 2}),
     "peft_dora": ("peft_dora", {}),
 }
 SWITCHES = sorted({key for _, overrides in VARIANTS.values() for key in overrides})

@@ -103,14 +103,6 @@ def lora_gemm_config(M: int, N: int) -> GemmConfig:
 #: at least 16 (tl.dot's minimum).
 LORA_GEMM_BLOCK_K = 64
 
-#: Memory-bound passes (the one-pass norm, the backward scale-and-reduce) split their
-#: reduction until they have this many programs per SM (2 is the value the benches try). 0
-#: turns the splitting off, the default: on the H200 the split passes were slower per decoder
-#: layer than the unsplit ones (run 30, benchmarks/NOTES.md session 10), although the norm pass
-#: at 64 programs on 132 SMs reads W at only 1.2 TB/s (run 29).
-PROGRAMS_PER_SM = 0
-
-
 # ---- forward: elementwise compose (kernels/compose.py) ----------------------------------------
 COMPOSE_BLOCK_M = 32
 COMPOSE_BLOCK_N = 128
@@ -123,8 +115,7 @@ class ReduceConfig:
     block_m: int  # tokens per inner step
     block_n: int  # columns per program
     num_warps: int
-    rows_per_program: int  # tokens a program reduces at most (fewer where d_out gives few
-    # column programs: kernels/common.splits_to_fill); partials are [cdiv(T, that), d_out]
+    rows_per_program: int  # tokens each program reduces; partials are [cdiv(T, this), d_out]
 
 
 #: The default first; ``benchmarks/bench_torch_layer.py`` times each at 4096 × 8192
@@ -172,11 +163,6 @@ NORM_ASSEMBLY = "auto"
 #: session 8).
 NORM_PASS_MAX_RANK = 32
 NORM_PASS_BLOCKS = (64, 128, 4, 4)
-#: How many slices of d_in the pass splits W into (partial U, ‖W‖² and G per slice, summed in
-#: a fixed order by a second kernel that assembles n): None = enough for
-#: ``PROGRAMS_PER_SM`` (``kernels/common.splits_to_fill``); an int forces it (tests).
-NORM_PASS_SPLIT: int | None = None
-NORM_PASS_FINISH_BLOCK_M = 64
 NORM_GEMM_MIN_RANK = 256
 NORM_ROWS_BLOCK_M = 16
 NORM_ROWS_BLOCK_R = 128

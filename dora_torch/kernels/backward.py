@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from .. import config
-from .common import cdiv, check_launchable, dot_fp32, dot_precision, splits_to_fill, unit_stride
+from .common import cdiv, check_launchable, dot_fp32, dot_precision, unit_stride
 from .launch import Launcher
 
 _FINITE_MAX = {dt: torch.finfo(dt).max for dt in (torch.float16, torch.bfloat16, torch.float32)}
@@ -221,9 +221,6 @@ def scale_reduce(
     rpp = max(bm, config.interp_small(cfg.rows_per_program, 64))
     if M <= rpp:
         rpp = cdiv(M, bm) * bm  # one token chunk: no partial sums to add up (saves a launch)
-    else:  # token chunks of rows_per_program, or shorter where the columns give few programs
-        parts = splits_to_fill(cdiv(N, bn), dy.device, cdiv(M, bm))
-        rpp = min(rpp, cdiv(cdiv(M, parts), bm) * bm)
     parts = cdiv(M, rpp)
     dm_part = torch.empty((parts, N), dtype=torch.float32, device=dy.device)
     db_part = torch.empty_like(dm_part) if need_dbias else dm_part

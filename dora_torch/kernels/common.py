@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from .. import config
@@ -18,32 +16,6 @@ def cdiv(a: int, b: int) -> int:
 def next_pow2(n: int) -> int:
     """The smallest power of two ≥ n (1 for n ≤ 1), like ``triton.next_power_of_2``."""
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
-
-
-@functools.cache
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-@torch.compiler.assume_constant_result
-def sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors of a CUDA device (a hardware constant, read once per device);
-    0 for other devices (the interpreter). Dynamo calls it while tracing and keeps the
-    result as a constant, instead of tracing into the device query and the cache."""
-    if device.type != "cuda":
-        return 0
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
-
-
-def splits_to_fill(programs: int, device: torch.device, most: int) -> int:
-    """How many ways to split a reduction so that ``programs`` × splits reaches
-    ``config.PROGRAMS_PER_SM`` programs per SM of ``device`` (1 where one split already does,
-    and on devices without SMs); at most ``most``. Memory-bound kernels with fewer programs
-    than SMs leave most of the GPU idle."""
-    target = config.PROGRAMS_PER_SM * sm_count(device)
-    if programs >= target:
-        return 1
-    return max(1, min(cdiv(target, max(programs, 1)), most))
 
 
 def dot_fp32(dtype: torch.dtype) -> bool:

@@ -3,20 +3,16 @@
     n_i = sqrt(max(‖W_i‖² + 2s·Σ_j B_ij U_ij + s²·Σ_j (B G)_ij B_ij, 0)),
     U = W Aᵀ [d_out, r],  G = A Aᵀ [r, r]
 
-Programs tile rows × slices of d_in; each walks its slice once: every W tile feeds U
-(tensor-core dot with A's tile, fp32 accumulation) and, unless ‖W‖² is given, the fp32 sum
-of squares; G is accumulated from the same A tiles (r²·d_in multiply-adds, small next to the
-rows' r·d_in·BLOCK_M for r ≤ ``config.NORM_PASS_MAX_RANK``). With one slice the program
-assembles n from the rows of B in its epilogue (as ``_norm_assemble_kernel`` does, B·G at
-``config.NORM_DOT_PRECISION``): one launch replaces four (‖W‖², the U and G GEMMs, the
-assembly) and nothing but n reaches memory. Where rows alone give too few programs to keep
-the GPU's memory system busy (d_out = 4096 is 64 programs of 64 rows), d_in is split
-(``config.NORM_PASS_SPLIT``, ``common.splits_to_fill``): each program writes its partial U,
-‖W‖² and (from the first rows block) G, O((d_out + r)·r) fp32 per slice, and
-``_norm_pass_finish_kernel`` sums them in slice order (deterministic, no atomics) and
-assembles n. Precision rule (§5) unchanged: A arrives rounded to W's dtype, U and G are fp32
-accumulations of its products, B enters at fp32. Where the norm is recomputed with ‖W‖²
-every call (compiled training graphs), W is read once instead of twice.
+One program per block of rows walks d_in once: each W tile feeds U (tensor-core dot with A's
+tile, fp32 accumulation) and, unless ‖W‖² is given, the fp32 sum of squares; G is
+accumulated from the same A tiles (every program forms all of it: r²·d_in multiply-adds,
+small next to its rows' r·d_in·BLOCK_M for r ≤ ``config.NORM_PASS_MAX_RANK``). The epilogue
+assembles n from the rows of B, as ``_norm_assemble_kernel`` does, with the (B G) product at
+``config.NORM_DOT_PRECISION``. Neither U, G nor ‖W‖² reaches memory, and one launch
+replaces four (‖W‖², the U and G GEMMs, the assembly). Precision rule (§5) unchanged: A
+arrives rounded to W's dtype, U and G are fp32 accumulations of its products, B enters at
+fp32. Where the norm is recomputed with ‖W‖² every call (compiled training graphs), W is
+read once instead of twice.
 """
 
 from __future__ import annotations
@@ -26,25 +22,9 @@ import triton
 import triton.language as tl
 
 from .. import config
-from .common import (
-    cdiv,
-    check_launchable,
-    dot_fp32,
-    dot_precision,
-    next_pow2,
-    splits_to_fill,
-    unit_stride,
-)
+from .common import cdiv, check_launchable, dot_fp32, dot_precision, next_pow2, unit_stride
 from .launch import Launcher
 from .norm import assembly_method
-
-
-@triton.jit
-def _assemble_rows(base, U, b, G, s, BG_PRECISION: tl.constexpr):
-    """n of a block of rows from ‖W_i‖² [BM], U [BM, BR], B's rows [BM, BR] fp32, G [BR, BR]."""
-    cross = tl.sum(b * U, axis=1)
-    gram = tl.sum(tl.dot(b, G, input_precision=BG_PRECISION) * b, axis=1)
-    return tl.sqrt(tl.maximum(base + 2.0 * s * cross + s * s * gram, 0.0))
 
 
 @triton.jit
@@ -54,13 +34,9 @@ def _norm_pass_kernel(
     lb_ptr,
     base_sq_ptr,
     out_ptr,
-    u_part_ptr,
-    sq_part_ptr,
-    g_part_ptr,
     N,
     D,
     R,
-    d_slice,
     stride_wn,
     stride_wd,
     stride_ar,
@@ -69,7 +45,6 @@ def _norm_pass_kernel(
     stride_br,
     s,
     HAS_BASE_SQ: tl.constexpr,
-    SPLIT: tl.constexpr,
     DOT_FP32: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BG_PRECISION: tl.constexpr,
@@ -77,25 +52,18 @@ def _norm_pass_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_R: tl.constexpr,
 ):
-    """Program (i, k) walks columns [k·d_slice, (k+1)·d_slice) of rows block i. Without SPLIT
-    (one slice) it assembles n itself; with it, it writes its partial U [BM, R] and ‖W‖²
-    (and slice k's G from the programs of rows block 0) for ``_norm_pass_finish_kernel``."""
     # Scalars arrive as fp64 when Inductor launches the kernel: keep the math in fp32.
     s = tl.cast(s, tl.float32)
-    pid_m = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rs = tl.arange(0, BLOCK_R)
     mask_m = rows < N
     mask_r = rs < R
-    d_lo = pid_k * d_slice
-    d_hi = tl.minimum(D, d_lo + d_slice)
     U = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
     G = tl.zeros((BLOCK_R, BLOCK_R), dtype=tl.float32)
     sq = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
-    for d0 in range(d_lo, d_hi, BLOCK_D):
+    for d0 in range(0, D, BLOCK_D):
         ds = d0 + tl.arange(0, BLOCK_D)
-        mask_d = ds < d_hi
+        mask_d = ds < D
         w = tl.load(
             w_ptr + rows[:, None] * stride_wn + ds[None, :] * stride_wd,
             mask=mask_m[:, None] & mask_d[None, :],
@@ -114,81 +82,23 @@ def _norm_pass_kernel(
             a = a.to(tl.float32)
         at = tl.trans(a)
         U = tl.dot(w, at, U, input_precision=DOT_PRECISION)
-        if SPLIT:  # one rows block per slice forms the slice's G
-            if pid_m == 0:
-                G = tl.dot(a, at, G, input_precision=DOT_PRECISION)
-        else:
-            G = tl.dot(a, at, G, input_precision=DOT_PRECISION)
-    if SPLIT:
-        part = pid_k * N + rows
-        mask_mr = mask_m[:, None] & mask_r[None, :]
-        tl.store(u_part_ptr + part[:, None] * R + rs[None, :], U, mask=mask_mr)
-        if not HAS_BASE_SQ:
-            tl.store(sq_part_ptr + part, tl.sum(sq, axis=1), mask=mask_m)
-        if pid_m == 0:
-            g_at = g_part_ptr + pid_k * R * R + rs[:, None] * R + rs[None, :]
-            tl.store(g_at, G, mask=mask_r[:, None] & mask_r[None, :])
-    else:
-        if HAS_BASE_SQ:
-            base = tl.load(base_sq_ptr + rows, mask=mask_m, other=0.0).to(tl.float32)
-        else:
-            base = tl.sum(sq, axis=1)
-        b = tl.load(
-            lb_ptr + rows[:, None] * stride_bn + rs[None, :] * stride_br,
-            mask=mask_m[:, None] & mask_r[None, :],
-            other=0.0,
-        ).to(tl.float32)
-        tl.store(out_ptr + rows, _assemble_rows(base, U, b, G, s, BG_PRECISION), mask=mask_m)
-
-
-@triton.jit
-def _norm_pass_finish_kernel(
-    u_part_ptr,
-    sq_part_ptr,
-    g_part_ptr,
-    base_sq_ptr,
-    lb_ptr,
-    out_ptr,
-    N,
-    R,
-    splits,
-    stride_bn,
-    stride_br,
-    s,
-    HAS_BASE_SQ: tl.constexpr,
-    BG_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-):
-    """Sums the slices' partial U, ‖W‖² and G in slice order (deterministic) and assembles n."""
-    s = tl.cast(s, tl.float32)
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    rs = tl.arange(0, BLOCK_R)
-    mask_m = rows < N
-    mask_r = rs < R
-    mask_mr = mask_m[:, None] & mask_r[None, :]
-    mask_rr = mask_r[:, None] & mask_r[None, :]
-    U = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    G = tl.zeros((BLOCK_R, BLOCK_R), dtype=tl.float32)
-    base = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    for k in range(0, splits):
-        part = k * N + rows
-        U += tl.load(u_part_ptr + part[:, None] * R + rs[None, :], mask=mask_mr, other=0.0)
-        G += tl.load(
-            g_part_ptr + k * R * R + rs[:, None] * R + rs[None, :], mask=mask_rr, other=0.0
-        )
-        if not HAS_BASE_SQ:
-            base += tl.load(sq_part_ptr + part, mask=mask_m, other=0.0)
+        G = tl.dot(a, at, G, input_precision=DOT_PRECISION)
     if HAS_BASE_SQ:
         base = tl.load(base_sq_ptr + rows, mask=mask_m, other=0.0).to(tl.float32)
+    else:
+        base = tl.sum(sq, axis=1)
     b = tl.load(
-        lb_ptr + rows[:, None] * stride_bn + rs[None, :] * stride_br, mask=mask_mr, other=0.0
+        lb_ptr + rows[:, None] * stride_bn + rs[None, :] * stride_br,
+        mask=mask_m[:, None] & mask_r[None, :],
+        other=0.0,
     ).to(tl.float32)
-    tl.store(out_ptr + rows, _assemble_rows(base, U, b, G, s, BG_PRECISION), mask=mask_m)
+    cross = tl.sum(b * U, axis=1)
+    gram = tl.sum(tl.dot(b, G, input_precision=BG_PRECISION) * b, axis=1)
+    n_sq = base + 2.0 * s * cross + s * s * gram
+    tl.store(out_ptr + rows, tl.sqrt(tl.maximum(n_sq, 0.0)), mask=mask_m)
 
 
 _launch_norm_pass = Launcher(_norm_pass_kernel)
-_launch_finish = Launcher(_norm_pass_finish_kernel)
 
 
 def norm_pass_applies(weight: torch.Tensor, r: int) -> bool:
@@ -227,36 +137,16 @@ def norm_pass(
     bm, bd, warps, stages = config.NORM_PASS_BLOCKS
     bm, bd = config.interp_small(bm), config.interp_small(bd)
     br = max(16, next_pow2(R))
-    tiles = cdiv(D, bd)
-    split = config.NORM_PASS_SPLIT
-    if split is None:
-        split = splits_to_fill(cdiv(N, bm), weight.device, tiles)
-    split = max(1, min(split, tiles))
-    d_slice = cdiv(tiles, split) * bd
-    split = cdiv(D, d_slice)  # no empty slices
-    cached = base_sq is not None
-    bg_precision = "ieee" if config.interpreting() else config.NORM_DOT_PRECISION
-    if split > 1:
-        f32 = dict(dtype=torch.float32, device=weight.device)
-        u_part = torch.empty((split, N, R), **f32)
-        sq_part = u_part if cached else torch.empty((split, N), **f32)
-        g_part = torch.empty((split, R, R), **f32)
-    else:
-        u_part = sq_part = g_part = out  # valid pointers, unused
     _launch_norm_pass(
-        (cdiv(N, bm), split),
+        (cdiv(N, bm),),
         weight,
         a,
         lora_B,
-        base_sq if cached else out,  # a valid pointer when unused
+        out if base_sq is None else base_sq,  # a valid pointer when unused
         out,
-        u_part,
-        sq_part,
-        g_part,
         N,
         D,
         R,
-        d_slice,
         weight.stride(0),
         weight.stride(1),
         a.stride(0),
@@ -264,37 +154,14 @@ def norm_pass(
         lora_B.stride(0),
         lora_B.stride(1),
         float(scaling),
-        HAS_BASE_SQ=cached,
-        SPLIT=split > 1,
+        HAS_BASE_SQ=base_sq is not None,
         DOT_FP32=dot_fp32(weight.dtype),
         DOT_PRECISION=dot_precision(weight.dtype),
-        BG_PRECISION=bg_precision,
+        BG_PRECISION="ieee" if config.interpreting() else config.NORM_DOT_PRECISION,
         BLOCK_M=bm,
         BLOCK_D=bd,
         BLOCK_R=br,
         num_warps=warps,
         num_stages=stages,
     )
-    if split > 1:
-        fm = config.interp_small(config.NORM_PASS_FINISH_BLOCK_M)
-        _launch_finish(
-            (cdiv(N, fm),),
-            u_part,
-            sq_part,
-            g_part,
-            base_sq if cached else out,
-            lora_B,
-            out,
-            N,
-            R,
-            split,
-            lora_B.stride(0),
-            lora_B.stride(1),
-            float(scaling),
-            HAS_BASE_SQ=cached,
-            BG_PRECISION=bg_precision,
-            BLOCK_M=fm,
-            BLOCK_R=br,
-            num_warps=4,
-        )
     return out

@@ -175,26 +175,3 @@ def test_compiled_backward_accumulates_dx_in_place(dropout):
     code = bw.code
     assert "dora_torch.addmm_into" in code
     assert "aten.addmm." not in code
-
-
-def test_split_rule_is_a_constant_under_compile(monkeypatch):
-    """The launchers' split rule asks the device for its SM count: under Dynamo that query is
-    evaluated once at trace time (``assume_constant_result``), never traced into (no graph
-    break, no warning about the per-device cache)."""
-    import functools
-    import warnings
-
-    from dora_torch import config
-    from dora_torch.kernels import common
-
-    monkeypatch.setattr(common, "_sm_count", functools.cache(lambda index: 132))
-    monkeypatch.setattr(config, "PROGRAMS_PER_SM", 2)
-    torch._dynamo.reset()
-
-    def f(x):
-        return x * common.splits_to_fill(16, torch.device("cuda", 0), 32)
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        y = torch.compile(f, fullgraph=True, backend="eager")(torch.ones(2))
-    assert y.tolist() == [17.0, 17.0]

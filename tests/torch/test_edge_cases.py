@@ -420,16 +420,13 @@ def _record_grids(monkeypatch, module, launcher: str) -> list:
 @pytest.mark.parametrize("r", [1, 4, 16, 17, 32])
 @pytest.mark.parametrize("cached", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("split", [1, 2, 3])
-def test_one_pass_norm_kernel(r, cached, dtype, split, monkeypatch):
+def test_one_pass_norm_kernel(r, cached, dtype, monkeypatch):
     """kernels/norm_pass.py against float64 (A rounded to W's dtype, as the precision rule
     says), no worse than 2× the eager tier's error; ‖W‖² from the cache or from its own pass;
-    d_in whole (split 1) or in slices summed by the finish kernel (2: a 32-wide and a 13-wide
-    slice; 3: one tile each); a zero row of W and B gives n = 0."""
+    a zero row of W and B gives n = 0."""
     from dora_torch.kernels import norm_pass as kernel
     from dora_torch.norm import detached_norm, rounded_a
 
-    monkeypatch.setattr(config, "NORM_PASS_SPLIT", split)
     grids = _record_grids(monkeypatch, kernel, "_launch_norm_pass")
 
     _, W, A, B, _, _, s = random_case_tensors(9, d_in=45, d_out=37, r=r)
@@ -441,7 +438,7 @@ def test_one_pass_norm_kernel(r, cached, dtype, split, monkeypatch):
     a = rounded_a(A, W)
     base_sq = dora_torch.base_sq_norm(W) if cached else None
     got = kernel.norm_pass(W, a, B, base_sq, s)
-    assert grids == [(3, split)]  # row blocks of 16 × slices of d_in
+    assert grids == [(3,)]  # row blocks of 16, each walking all of d_in
     ref = S.dense_norm(W.double().numpy(), a.double().numpy(), B.double().numpy(), s)
     eager = detached_norm(W, A, B, dora_torch.base_sq_norm(W), s, False)
     assert got.dtype == torch.float32 and got.shape == (37,)
@@ -451,22 +448,6 @@ def test_one_pass_norm_kernel(r, cached, dtype, split, monkeypatch):
     assert err <= 2 * eager_err + 4 * np.finfo(np.float32).eps * np.abs(ref).max()
     # factored_norm (fused, no cache) takes this kernel; the cached tier feeds it ‖W‖².
     torch.testing.assert_close(dora_torch.factored_norm(W, A, B, s, impl="fused"), got)
-
-
-def test_split_rule_fills_the_sms(monkeypatch):
-    """``splits_to_fill``: enough splits for PROGRAMS_PER_SM programs per SM, never more than
-    the reduction has tiles, none where the rows already fill the GPU or there are no SMs."""
-    from dora_torch.kernels import common
-
-    monkeypatch.setattr(common, "sm_count", lambda device: 132)
-    monkeypatch.setattr(config, "PROGRAMS_PER_SM", 2)
-    cuda = torch.device("cuda")
-    assert common.splits_to_fill(64, cuda, 32) == 5  # 4096 rows of 64: 320 programs
-    assert common.splits_to_fill(16, cuda, 32) == 17
-    assert common.splits_to_fill(16, cuda, 4) == 4  # capped by the tiles
-    assert common.splits_to_fill(264, cuda, 32) == 1
-    monkeypatch.setattr(common, "sm_count", lambda device: 0)
-    assert common.splits_to_fill(1, cuda, 32) == 1
 
 
 def test_one_pass_norm_kernel_is_not_used_where_it_does_not_apply(monkeypatch):
@@ -483,16 +464,12 @@ def test_one_pass_norm_kernel_is_not_used_where_it_does_not_apply(monkeypatch):
     assert not norm_pass_applies(W, 4)
 
 
-@pytest.mark.parametrize("sms", [0, 132])
-def test_scale_reduce_token_split(sms, monkeypatch):
-    """The backward pass over dy splits the tokens into more chunks where d_out gives too few
-    column programs (``splits_to_fill``; 132 SMs: 13 chunks of 16 tokens here, none: 4 of 64)
-    and the partial sums still add up: dm = Σ_t dy ⊙ inner / n and dbias = Σ_t dy against
-    float64, dy_g = (m / n) ⊙ dy exact to rounding."""
-    from dora_torch.kernels import backward, common
+def test_scale_reduce_token_chunks(monkeypatch):
+    """The backward pass over dy reduces tokens in chunks of ``rows_per_program`` (64 under
+    the interpreter: 4 chunks of 200 tokens) and the partial sums add up: dm = Σ_t dy ⊙ inner
+    / n and dbias = Σ_t dy against float64, dy_g = (m / n) ⊙ dy exact to rounding."""
+    from dora_torch.kernels import backward
 
-    monkeypatch.setattr(common, "sm_count", lambda device: sms)
-    monkeypatch.setattr(config, "PROGRAMS_PER_SM", 2)
     grids = _record_grids(monkeypatch, backward, "_launch_scale_reduce")
     g = torch.Generator().manual_seed(3)
     dy, inner = torch.randn(200, 40, generator=g), torch.randn(200, 40, generator=g)
@@ -500,7 +477,7 @@ def test_scale_reduce_token_split(sms, monkeypatch):
     dyg, _, dm, dbias = backward.scale_reduce(
         dy, inner, m, n, recover=False, dropout=False, need_dbias=True
     )
-    assert grids == [(13 if sms else 4, 2)]  # token chunks × column blocks of 32
+    assert grids == [(4, 2)]  # token chunks × column blocks of 32
     terms, n64 = dy.double() * inner.double(), n.double()
     eps = torch.finfo(torch.float32).eps
     # fp32 summation over 200 tokens: |error| ≤ 200·eps·Σ|terms| (a loose, order-free bound)

@@ -43,45 +43,31 @@ def lower(kernel, pointers: dict[str, str], constexprs: dict, *, floats=("s",), 
 
 
 def lower_norm_pass() -> list[str]:
-    """The one-pass norm (kernels/norm_pass.py): whole rows and split d_in, ‖W‖² cached and
-    not, at the configured blocks."""
+    """The one-pass norm (kernels/norm_pass.py), ‖W‖² cached and not, at the configured
+    blocks."""
     from dora_torch import config
-    from dora_torch.kernels.norm_pass import _norm_pass_finish_kernel, _norm_pass_kernel
+    from dora_torch.kernels.norm_pass import _norm_pass_kernel
 
     bm, bd, warps, stages = config.NORM_PASS_BLOCKS
-    f32 = ("lb_ptr", "base_sq_ptr", "out_ptr", "u_part_ptr", "sq_part_ptr", "g_part_ptr")
-    finish = ("u_part_ptr", "sq_part_ptr", "g_part_ptr", "base_sq_ptr", "lb_ptr", "out_ptr")
+    f32 = ("lb_ptr", "base_sq_ptr", "out_ptr")
     done = []
     for cached in (False, True):
-        for split in (False, True):
-            lower(
-                _norm_pass_kernel,
-                {"w_ptr": "bf16", "a_ptr": "bf16", **dict.fromkeys(f32, "fp32")},
-                dict(
-                    HAS_BASE_SQ=cached,
-                    SPLIT=split,
-                    DOT_FP32=False,
-                    DOT_PRECISION="tf32",
-                    BG_PRECISION=config.NORM_DOT_PRECISION,
-                    BLOCK_M=bm,
-                    BLOCK_D=bd,
-                    BLOCK_R=16,
-                ),
-                warps=warps,
-                stages=stages,
-            )
-            done.append(f"_norm_pass_kernel cached={cached} split={split}")
         lower(
-            _norm_pass_finish_kernel,
-            dict.fromkeys(finish, "fp32"),
+            _norm_pass_kernel,
+            {"w_ptr": "bf16", "a_ptr": "bf16", **dict.fromkeys(f32, "fp32")},
             dict(
                 HAS_BASE_SQ=cached,
+                DOT_FP32=False,
+                DOT_PRECISION="tf32",
                 BG_PRECISION=config.NORM_DOT_PRECISION,
-                BLOCK_M=config.NORM_PASS_FINISH_BLOCK_M,
+                BLOCK_M=bm,
+                BLOCK_D=bd,
                 BLOCK_R=16,
             ),
+            warps=warps,
+            stages=stages,
         )
-        done.append(f"_norm_pass_finish_kernel cached={cached}")
+        done.append(f"_norm_pass_kernel cached={cached}")
     return done
 
 
@@ -96,4 +82,4 @@ def test_kernels_lower_for_sm90():
     )
     assert done.returncode == 0, done.stderr[-4000:]
     lines = done.stdout.split("\n")
-    assert sum(line.startswith("_norm_pass") for line in lines) == 6, done.stdout
+    assert sum(line.startswith("_norm_pass") for line in lines) == 2, done.stdout
