@@ -101,7 +101,10 @@ SCALORA_EIGH_ON_GPU = "qr"
 
 #: Rows of K merged per step of ScaLoRA's merge loop (``scalora.merge_scaled``): the f32 product
 #: a·diag(c)·b exists one [rows, d_out] block at a time, so a merge over a whole model holds
-#: O(rows · d_out) of temporaries instead of one f32 [d_in, d_out] per layer. Read when the
+#: O(rows · d_out) of temporaries instead of one f32 [d_in, d_out] per layer. Rows, not an
+#: element budget as in dora_torch (``SCALORA_MERGE_ELEMS``): eager torch merges one layer
+#: at a time anyway, while under jit only the loop orders the layers' products, so every
+#: layer taller than a block must take it (benchmarks/NOTES.md, session 10). Read when the
 #: merge is traced.
 SCALORA_MERGE_ROWS = 1024
 

@@ -180,3 +180,9 @@ def interp_small(block: int, small: int = 16) -> int:
 #: forward. Read by ``prepare_fsdp`` (call it again after changing this). Off until it is
 #: measured on GPUs (``benchmarks/fsdp_torch.py``'s ``ours_local_norms``); tested on CPU.
 FSDP_LOCAL_NORMS = False
+
+
+# ---- ScaLoRA (scalora.py) --------------------------------------------------------------------
+#: Elements of the fp32 product B·diag(c)·A that a merge into a 16-bit base forms at a time (W
+#: is updated in blocks of ``SCALORA_MERGE_ELEMS // d_in`` rows, one layer after another).
+SCALORA_MERGE_ELEMS = 1 << 24

@@ -121,7 +121,7 @@ import torch
 from torch import nn
 
 from . import cache as _cache
-from . import checks
+from . import checks, config
 from .layer import Linear as DoraLinear
 
 BRANCHES = ("column", "scalar", "zero_gradient", "nonfinite")
@@ -137,9 +137,6 @@ _SOLVES = 3
 _SHIFT = 16.0
 #: Relative slack of v ≥ 0 (the spec's ``tol``: exact zeros of v computed with rounding).
 _TOL = 1e-12
-#: Rows per chunk of the merge when a 16-bit base needs an fp32 temporary: bounds it to
-#: about this many elements.
-_MERGE_CHUNK_ELEMS = 1 << 24
 
 
 @dataclass
@@ -577,7 +574,7 @@ class ScaLoRA:
         elif W.dtype == cd:
             W.addmm_(bc, lA, alpha=s)
         else:  # 16-bit base: fp32 product, one rounding; rows in chunks bound the temporary
-            rows = max(1, _MERGE_CHUNK_ELEMS // max(1, W.shape[1]))
+            rows = max(1, config.SCALORA_MERGE_ELEMS // max(1, W.shape[1]))
             for i in range(0, W.shape[0], rows):
                 W[i : i + rows].add_(bc[i : i + rows] @ lA, alpha=s)
 

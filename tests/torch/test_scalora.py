@@ -537,6 +537,29 @@ def test_master_weights_bf16():
     assert torch.equal(m.weight, sc.master_weight(m.weight).bfloat16())
 
 
+def test_bf16_merge_in_row_chunks_is_the_one_product(monkeypatch):
+    """A 16-bit base is merged through an fp32 product in chunks of
+    ``config.SCALORA_MERGE_ELEMS // d_in`` rows: chunks of 2 rows with a tail give bit for
+    bit the W of one chunk (each row's fp32 product and its one rounding do not depend on
+    the chunking)."""
+    from dora_torch import config
+
+    seed, d_out, d_in, r = CASES[3]
+    W, A, B, s, _ = _data(seed, d_out, d_in, r)
+    G = np.random.default_rng(1).standard_normal((d_out, d_in))
+    weights = []
+    for elems in (d_out * d_in, 2 * d_in):
+        monkeypatch.setattr(config, "SCALORA_MERGE_ELEMS", elems)
+        m = LoRA(torch.tensor(W).bfloat16(), torch.tensor(A).float(), torch.tensor(B).float(), s)
+        gA, gB = _grads(A, B, s, G)
+        m.lora_A.grad, m.lora_B.grad = torch.tensor(gA).float(), torch.tensor(gB).float()
+        ScaLoRA(m, None, lr_times_L=LR_L).step()
+        weights.append(m.weight.detach().clone())
+    assert d_out == 11  # chunks of 2 rows: five and a tail of one
+    assert torch.equal(weights[0], weights[1])
+    assert not torch.equal(weights[0], torch.tensor(W).bfloat16())  # the merge did something
+
+
 # ---- edge cases and errors ----------------------------------------------------------------
 
 
