@@ -24,7 +24,10 @@ were printed and were not comparable).
 the log; compare two invocations). ``--sync-each-step`` waits for every step's adapters
 before the next step is dispatched: the loop cannot run ahead of the GPU, so its peak holds
 one step's buffers (the test of whether run-ahead explains run 26's I = 100 peak); its step
-times include the waits.
+times include the waits. ``--trace-peak`` waits for every step too (warm-up included) and
+records the device's peak after it; each row then lists the steps at which the peak rose
+(step 0 is the first warm-up step; ScaLoRA-I merges where step % I == 0), which says whether a
+variant's higher peak is set by a merge or by a later LoRA step (allocator history).
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ from benchmarks.measure import write_csv
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # share the GPU with torch
 
 FIELDS = ["backend", "variant", "rank", "interval", "steps", "sync_each_step", "step_mean_ms",
-          "peak_gib", "time_ratio", "peak_ratio"]  # fmt: skip
+          "peak_gib", "time_ratio", "peak_ratio", "peak_rises"]  # fmt: skip
 GIB = 2.0**30
 LR, LR_TIMES_L = 1e-5, 1.0  # the cost does not depend on L·η (both branches are computed)
 
@@ -77,11 +80,13 @@ def measure(
     tiny: bool = False,
     own_process: bool = False,
     sync_each_step: bool = False,
+    trace_peak: bool = False,
 ) -> dict:
     """One variant over ``steps`` timed steps (default max(20, interval)). ``own_process``:
     nothing else ran in this process, so its device peak is this variant's even where the
     peak cannot be reset; otherwise such a peak is not reported (None). ``sync_each_step``:
-    wait for each step's adapters before dispatching the next (module docstring)."""
+    wait for each step's adapters before dispatching the next; ``trace_peak``: the same, and
+    the steps at which the device peak rose (module docstring)."""
     import jax
     import jax.numpy as jnp
     import optax
@@ -120,10 +125,22 @@ def measure(
     def ready():
         jax.block_until_ready(jax.tree.leaves(nnx.state(model, nnx.LoRAParam)))
 
+    device = jax.devices()[0]
+    rises, last = [], [0]
+
+    def traced():
+        if not trace_peak:
+            return
+        ready()
+        peak = (device.memory_stats() or {}).get("peak_bytes_in_use", 0)
+        if peak > last[0]:
+            rises.append((count[0] - 1, round(peak / GIB, 3)))
+            last[0] = peak
+
     for _ in range(3):
         step()
+        traced()
     ready()
-    device = jax.devices()[0]
     stats = device.memory_stats() or {}
     resettable = hasattr(device, "reset_memory_stats")
     if "peak_bytes_in_use" in stats and resettable:
@@ -134,6 +151,7 @@ def measure(
         step()
         if sync_each_step:
             ready()
+        traced()
     ready()
     ms = (time.perf_counter() - t0) / steps * 1e3
     peak = (device.memory_stats() or {}).get("peak_bytes_in_use")
@@ -141,11 +159,19 @@ def measure(
         peak = None  # the process-wide peak would include the variants run before this one
     return {"backend": jax.default_backend(), "rank": rank, "interval": interval,
             "steps": steps, "sync_each_step": sync_each_step, "step_mean_ms": round(ms, 2),
-            "peak_gib": None if peak is None else round(peak / GIB, 3)}  # fmt: skip
+            "peak_gib": None if peak is None else round(peak / GIB, 3),
+            "peak_rises": " ".join(f"{i}:{g}" for i, g in rises) or None}  # fmt: skip
 
 
 def _isolated(
-    rank: int, interval: int, *, steps: int, layers: int, tiny: bool, sync_each_step: bool
+    rank: int,
+    interval: int,
+    *,
+    steps: int,
+    layers: int,
+    tiny: bool,
+    sync_each_step: bool,
+    trace_peak: bool,
 ) -> dict:
     """``measure`` in a fresh Python process (its own device peak)."""
     from dora_jax import config as dora_config
@@ -153,7 +179,8 @@ def _isolated(
     args = [sys.executable, "-m", "benchmarks.bench_scalora_jax", "--one", str(rank),
             str(interval), str(steps), "--layers", str(layers), "--eigh",
             dora_config.SCALORA_EIGH_ON_GPU] + (["--tiny"] if tiny else []) + (
-            ["--sync-each-step"] if sync_each_step else [])  # fmt: skip
+            ["--sync-each-step"] if sync_each_step else []) + (
+            ["--trace-peak"] if trace_peak else [])  # fmt: skip
     done = subprocess.run(args, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"variant r={rank} I={interval} failed:\n{done.stderr[-4000:]}")
@@ -161,7 +188,8 @@ def _isolated(
 
 
 def _bench(out_dir, ranks, *, layers: int = 8, tiny: bool = False, isolate: bool = False,
-           variants=tuple(VARIANTS), sync_each_step: bool = False):  # fmt: skip
+           variants=tuple(VARIANTS), sync_each_step: bool = False,
+           trace_peak: bool = False):  # fmt: skip
     import jax
 
     rows, summary = [], []
@@ -170,7 +198,8 @@ def _bench(out_dir, ranks, *, layers: int = 8, tiny: bool = False, isolate: bool
     for rank in ranks:
         got = {}
         for name, interval in chosen.items():
-            kw = dict(steps=steps, layers=layers, tiny=tiny, sync_each_step=sync_each_step)
+            kw = dict(steps=steps, layers=layers, tiny=tiny, sync_each_step=sync_each_step,
+                      trace_peak=trace_peak)  # fmt: skip
             if isolate:
                 got[name] = _isolated(rank, interval, **kw)
             else:
@@ -198,7 +227,9 @@ def main(argv=None) -> int:
     ap.add_argument("--eigh", default="qr", choices=["qr", "jax"],
                     help="dora_jax.config.SCALORA_EIGH_ON_GPU for this run")  # fmt: skip
     ap.add_argument("--sync-each-step", action="store_true",
-                    help="wait for each step before the next (no run-ahead)")  # fmt: skip
+                    help="wait for each step before the next (no run-ahead)")
+    ap.add_argument("--trace-peak", action="store_true",
+                    help="wait for each step and list the steps at which the peak rose")  # fmt: skip
     ap.add_argument(
         "--one", type=int, nargs=3, metavar=("RANK", "INTERVAL", "STEPS"), help=argparse.SUPPRESS
     )  # a child of --isolate: print one JSON row
@@ -210,12 +241,13 @@ def main(argv=None) -> int:
     if args.one:
         rank, interval, steps = args.one
         row = measure(rank, interval, steps=steps, layers=args.layers, tiny=args.tiny,
-                      own_process=True, sync_each_step=args.sync_each_step)  # fmt: skip
+                      own_process=True, sync_each_step=args.sync_each_step,
+                      trace_peak=args.trace_peak)  # fmt: skip
         print(json.dumps(row))
         return 0
     summary = _bench(args.out, args.ranks, layers=args.layers, tiny=args.tiny,
                      isolate=args.isolate, variants=args.variants,
-                     sync_each_step=args.sync_each_step)  # fmt: skip
+                     sync_each_step=args.sync_each_step, trace_peak=args.trace_peak)  # fmt: skip
     for row in summary:
         print(f"{row['metric']}: {row['value']:.3f}")
     return 0

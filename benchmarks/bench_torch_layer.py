@@ -369,8 +369,9 @@ ASSEMBLY_KERNEL_CONFIGS = [(32, 32, 4), (64, 32, 4), (64, 64, 4), (64, 64, 8), (
 
 def _assembly_configs(ranks=(16, 64, 128, 256, 384), rows_n=8192) -> list[dict]:
     """Norm assembly (kernels/norm.py) per rank: the fused kernel under each block config of
-    ``ASSEMBLY_KERNEL_CONFIGS`` and the cuBLAS "gemm" method; the evidence for
-    ``config.NORM_ASSEMBLY = "auto"``'s rank threshold and the kernel's blocks."""
+    ``ASSEMBLY_KERNEL_CONFIGS`` and the cuBLAS "gemm" method, in fp32 and as bf16x3 (a 16-bit
+    layer's); the evidence for ``config.NORM_ASSEMBLY = "auto"``'s rank threshold and the
+    kernel's blocks."""
     import triton
 
     from dora_torch import config
@@ -391,6 +392,8 @@ def _assembly_configs(ranks=(16, 64, 128, 256, 384), rows_n=8192) -> list[dict]:
             with torch.no_grad():
                 ms = bench(lambda args=args: assemble_norm(*args, method="gemm"))
                 rows.append({"r": r, "rows": rows_n, "method": "gemm", "ms": ms})
+                ms = bench(lambda args=args: assemble_norm(*args, method="gemm", bf16x3=True))
+                rows.append({"r": r, "rows": rows_n, "method": "gemm_bf16x3", "ms": ms})
                 for bm, br, warps in ASSEMBLY_KERNEL_CONFIGS:
                     config.NORM_KERNEL_BLOCKS = config.NORM_KERNEL_BLOCKS_WIDE = (bm, br, warps)
                     ms = bench(lambda args=args: assemble_norm(*args, method="kernel"))

@@ -12,7 +12,7 @@ Dump the programs on the GPU machine, bring the text back, read it anywhere:
 A kernel is every instruction of the entry computation (and, once each, of the bodies of its
 while loops and conditionals) that is not bookkeeping (parameters, constants, tuples,
 get-tuple-element, bitcasts, the "-done" half of an async pair). Its bytes are the sizes of
-its operands plus its output: exact for elementwise fusions and library GEMMs, an upper bound
+its operands (for ``%f#k``, element k of a multi-output fusion) plus its output: exact for elementwise fusions and library GEMMs, an upper bound
 for a fusion that reads only a slice of an operand. Bytes moved at HBM speed give a floor on
 time; the kernel count, a floor on launch latency.
 """
@@ -35,7 +35,7 @@ FREE = {
 }  # fmt: skip
 _ARRAY = re.compile(r"([a-z][a-z0-9]*)\[([0-9,]*)\]")
 _HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->\s*.*\{\s*$")
-_NAME = re.compile(r"%([\w.\-]+)")
+_NAME = re.compile(r"%([\w.\-]+(?:#\d+)?)")  # `%f#1`: element 1 of multi-output fusion f
 
 
 def shape_bytes(shape: str) -> float:
@@ -49,6 +49,22 @@ def shape_bytes(shape: str) -> float:
             n *= int(d)
         total += n * DTYPE_BYTES[dtype]
     return total
+
+
+def element_shape(shape: str, index: int) -> str:
+    """Element ``index`` of a tuple shape ``(a, b, ...)``; an array shape is its own element 0."""
+    if not shape.startswith("("):
+        if index:
+            raise ValueError(f"element {index} of the array shape {shape!r}")
+        return shape
+    parts = [p.strip() for p in _split_top(shape[1 : _closing(shape, 0)])]
+    return parts[index]
+
+
+def _operand_shape(shapes: dict[str, str], operand: str) -> str:
+    name, _, index = operand.partition("#")
+    shape = shapes.get(name, "")
+    return element_shape(shape, int(index)) if index and shape else shape
 
 
 def _closing(text: str, start: int) -> int:
@@ -190,7 +206,7 @@ def kernels(prog: Program) -> list[Kernel]:
             if inst.opcode in FREE or inst.opcode.endswith(("-done", "-update")):
                 continue
             size = shape_bytes(inst.shape) + sum(
-                shape_bytes(shapes.get(o, "")) for o in inst.operands
+                shape_bytes(_operand_shape(shapes, o)) for o in inst.operands
             )
             out.append(Kernel(comp, inst.name, inst.kind, inst.shape.split("{")[0], size))
     return out

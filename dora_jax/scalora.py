@@ -27,7 +27,8 @@ kernel as stored (what ``cache_base_sq()`` would give, up to summation order); s
 ``base_sq_after_merge`` for why it is not updated in factored form. A ``frozen_norm`` cache
 (the norm of K + s·a·b) stays valid: that matrix is unchanged up to rounding.
 
-Usage (nnx; ``scalora_update_jit`` is the pure form, donating adapters, base and opt_state)::
+Usage (nnx; ``scalora_update_jit`` is the pure form, donating adapters, base, opt_state and
+grads, so that a merge allocates nothing but its temporaries)::
 
     opt = nnx.Optimizer(model, optax.adamw(lr), wrt=nnx.LoRAParam)
     diff = nnx.DiffState(0, nnx.LoRAParam)
@@ -35,7 +36,7 @@ Usage (nnx; ``scalora_update_jit`` is the pure form, donating adapters, base and
     grads, info = scalora_step(model, opt, grads, lr_times_L=lr * L, interval=10)
     opt.update(model, grads)  # the step then continues from the rescaled factors
     # pure: adapters = {name: {"lora_a", "lora_b"}}, base = {name: kernel}, opt_state from
-    # optax.adamw(lr).init(adapters); the old adapters/base/opt_state buffers are donated:
+    # optax.adamw(lr).init(adapters); the old adapters/base/opt_state/grads are donated:
     adapters, base, opt_state, grads, info = scalora_update_jit(
         adapters, base, opt_state, grads, step, lr_times_L=lr * L, scaling=s, interval=10)
 """
@@ -412,7 +413,8 @@ def scalora_update(
     Returns ``(adapters, base, opt_state, grads, info)``: grads are the gradients at the
     rescaled factors (feed them to the optimizer step that follows); info is
     ``{"applied": bool, "layers": {name: ScaLoRAScaling}}``. Jitted: ``scalora_update_jit``
-    donates ``adapters``, ``base`` and ``opt_state`` (do not reuse those inputs afterwards).
+    donates ``adapters``, ``base``, ``opt_state`` and ``grads`` (do not reuse those inputs
+    afterwards): every output then reuses an input's buffer.
     """
     if not isinstance(interval, int) or interval < 1:
         raise ValueError(f"interval must be a Python int ≥ 1; got {interval!r}")
@@ -439,7 +441,7 @@ def scalora_update(
 
 scalora_update_jit = jax.jit(
     scalora_update,
-    donate_argnames=("adapters", "base", "opt_state"),
+    donate_argnames=("adapters", "base", "opt_state", "grads"),
     static_argnames=("interval", "tol"),
 )
 _scalora_update_nodonate = jax.jit(scalora_update, static_argnames=("interval", "tol"))
@@ -520,7 +522,9 @@ def scalora_step(
     optimizer; returns ``(new_grads, info)`` with new_grads a copy of ``grads`` holding the
     gradients at the rescaled factors (pass them to ``optimizer.update``). With ``donate`` the
     old arrays of those Variables are donated (stale copies, e.g. from an earlier
-    ``nnx.state``, become invalid); kernels shared by two layers are not supported.
+    ``nnx.state``, become invalid), and so are the layers' lora_a and lora_b arrays in
+    ``grads`` (use new_grads; ``donate=False`` leaves ``grads`` as it was); kernels shared by
+    two layers are not supported.
 
     ScaLoRA-I: pass ``step`` as a Python int (a counter of your loop) and steps that do not
     merge return at once, with no device work and no host work beyond this check:
@@ -611,8 +615,8 @@ def scalora_step(
     new = {p: g_out[key][name] for key, ps in gpaths.items() for p, name in zip(ps, AB)}
 
     def put(path, x):
-        if isinstance(x, nnx.Variable):  # a new Variable (grads is left as it was)
-            return x.replace(new.get(path, x.get_value()))
+        if isinstance(x, nnx.Variable):  # a new Variable (the old one is left as it was)
+            return x.replace(new[path] if path in new else x.get_value())
         return new.get(path, x)
 
     new_grads = nnx.from_flat_state([(p, put(p, x)) for p, x in nnx.to_flat_state(grads)])

@@ -149,12 +149,18 @@ NORM_WIDE_RANK = 64
 #: TF32 parts (three tensor-core products), ~fp32 accuracy; "ieee" is exact fp32 FMA (slow).
 NORM_DOT_PRECISION = "tf32x3"
 #: How the fused tier assembles the norm (kernels/norm.py): "kernel" (B·G in registers, the
-#: fused kernel above), "gemm" (cuBLAS fp32 B·G, then a row-reduction kernel) or "auto":
-#: "gemm" from ``NORM_GEMM_MIN_RANK`` up while fp32 matmuls are IEEE (its accuracy follows
-#: ``torch.backends.cuda.matmul.allow_tf32``), "kernel" otherwise. Run 17 (8192 rows, µs,
-#: gemm / best kernel blocks): r = 128: 24.4 / 19.0; r = 256: 47.7 / 52.1; r = 384: 88.6 /
-#: 103.0. At r = 384, batch 1, the step drops from 65.5 to 59.0 ms (benchmarks/NOTES.md).
+#: fused kernel above), "gemm" (one cuBLAS GEMM for B·G, then a row-reduction kernel) or
+#: "auto": "gemm" from ``NORM_GEMM_MIN_RANK`` up where it keeps the layer's accuracy (a 16-bit
+#: W with ``NORM_GEMM_BF16X3``, or IEEE fp32 matmuls: ``torch.backends.cuda.matmul.allow_tf32``
+#: off), "kernel" otherwise. Run 17 (8192 rows, µs, IEEE gemm / best kernel blocks): r = 128:
+#: 24.4 / 19.0; r = 256: 47.7 / 52.1; r = 384: 88.6 / 103.0. At r = 384, batch 1, the step
+#: drops from 65.5 to 59.0 ms (benchmarks/NOTES.md).
 NORM_ASSEMBLY = "auto"
+#: For a layer whose W is 16-bit, the gemm assembly forms B·G from bf16 tensor-core products
+#: (each fp32 operand split into two bf16 terms; kernels/norm.py gives the error bound, ~2⁻¹⁵
+#: against the output's 2⁻⁸) instead of an fp32 GEMM on the CUDA cores, which run 17 measured
+#: at 88.6 of the 103 µs of the r = 384 assembly per 8192 rows; False = the fp32 GEMM.
+NORM_GEMM_BF16X3 = True
 #: Up to this rank the fused tier computes the whole norm in one pass over W
 #: (``kernels/norm_pass.py``: U, G and, when not cached, ‖W‖² never reach memory), where the
 #: kernel assembly is chosen; (BLOCK_M, BLOCK_D, warps, stages) of that kernel

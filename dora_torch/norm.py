@@ -40,8 +40,12 @@ def _sum(terms):
     return total
 
 
+def _lowp(weight: torch.Tensor) -> bool:
+    return weight.dtype in (torch.bfloat16, torch.float16)
+
+
 def _fast_lowp(weight: torch.Tensor) -> bool:
-    return weight.is_cuda and weight.dtype in (torch.bfloat16, torch.float16)
+    return weight.is_cuda and _lowp(weight)
 
 
 def rounded_a(lora_A: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -100,13 +104,17 @@ def cross_terms(weight, lora_A, *, chunk_size=None) -> torch.Tensor:
     return _products(weight, rounded_a(lora_A, weight), chunk_size=chunk_size, want_g=False)[0]
 
 
-def assemble(base_sq, U, lora_B, G, scaling: float, *, fused: bool) -> torch.Tensor:
+def assemble(
+    base_sq, U, lora_B, G, scaling: float, *, fused: bool, bf16x3: bool = False
+) -> torch.Tensor:
     """n = sqrt(max(base_sq + 2s·Σ B⊙U + s²·Σ (B G)⊙B, 0)), [d_out] in U's dtype. B enters
-    at U's precision (≥ fp32), never rounded to the activation dtype."""
+    at U's precision (≥ fp32), never rounded to the activation dtype, except that the fused
+    tier's gemm assembly may split B and G into bf16 pairs (``bf16x3``: W is 16-bit; design
+    §5)."""
     if fused and U.dtype == torch.float32:
         from .kernels.norm import assemble_norm
 
-        return assemble_norm(base_sq, U, lora_B.detach(), G, scaling)
+        return assemble_norm(base_sq, U, lora_B.detach(), G, scaling, bf16x3=bf16x3)
     b = lora_B.detach().to(U.dtype)
     sq = base_sq + 2.0 * scaling * (b * U).sum(1) + scaling * scaling * ((b @ G) * b).sum(1)
     return sq.clamp_min(0.0).sqrt()
@@ -131,12 +139,15 @@ def detached_norm(
     rows_per_block = config.norm_row_chunk(a.shape[0])
     if weight.shape[0] <= rows_per_block:  # the common case: one block, no slicing
         U, G = _products(weight, a, chunk_size=chunk_size)
-        return assemble(base_sq, U, lora_B, G, scaling, fused=fused)
+        return assemble(base_sq, U, lora_B, G, scaling, fused=fused, bf16x3=_lowp(weight))
     G = _products(weight, a, chunk_size=chunk_size, want_u=False)[1]
     out = []
     for rows in chunk_slices(weight.shape[0], rows_per_block):
         U = _products(weight[rows], a, chunk_size=chunk_size, want_g=False)[0]
-        out.append(assemble(base_sq[rows], U, lora_B[rows], G, scaling, fused=fused))
+        part = assemble(
+            base_sq[rows], U, lora_B[rows], G, scaling, fused=fused, bf16x3=_lowp(weight)
+        )
+        out.append(part)
     return torch.cat(out)
 
 
@@ -148,7 +159,7 @@ class _FactoredNorm(torch.autograd.Function):
             if base_sq is None:
                 base_sq = base_sq_norm(weight, chunk_size=chunk_size)
             U, G = _products(weight, rounded_a(lora_A, weight), chunk_size=chunk_size)
-            n = assemble(base_sq, U, lora_B, G, scaling, fused=fused)
+            n = assemble(base_sq, U, lora_B, G, scaling, fused=fused, bf16x3=_lowp(weight))
             ctx.save_for_backward(weight, lora_A, lora_B, U, G, n)
             return n
         return detached_norm(weight, lora_A, lora_B, base_sq, scaling, fused, chunk_size)

@@ -9,11 +9,20 @@ with U = W Aᵀ [d_out, r] and G = A Aᵀ [r, r] (fp32, from GEMMs). Two ways
   by tile in registers and reduced at once, so B G is never written. The dots run as 3xTF32
   (``config.NORM_DOT_PRECISION``): fp32-level accuracy on tensor cores (IEEE fp32 dots cost
   134 µs at d_out = 8192, r = 384; 3xTF32 0.132 ms in run 8).
-- ``"gemm"``: B G by a cuBLAS fp32 GEMM (an fp32 [rows, r] transient, like U), then
-  ``_norm_rows_kernel`` reduces each row in one pass. Its accuracy follows
-  ``torch.backends.cuda.matmul.allow_tf32`` (off by default: IEEE fp32).
-- ``"auto"`` (``assembly_method``): "gemm" for large r while fp32 matmuls are IEEE, else
-  "kernel": the fp32-level accuracy of either never depends on a global flag.
+- ``"gemm"``: B G by one cuBLAS GEMM (an fp32 transient, like U), then ``_norm_rows_kernel``
+  reduces each row in one pass. For a layer whose W is 16-bit (``bf16x3``, with
+  ``config.NORM_GEMM_BF16X3``) the GEMM runs on bf16 tensor cores: each fp32 operand is split
+  into two bf16 terms, x = hi + lo to 2⁻¹⁶ relative, and
+
+      B G ≈ [B_hi | B_lo] · [[G_hi, G_lo], [G_hi, 0]]   ([rows, 2r] fp32, halves summed)
+
+  drops only B_lo·G_lo: each entry within ~2⁻¹⁵ of Σ_k |B_ik||G_kj|, far below the 2⁻⁸ of the
+  layer's 16-bit output (a bf16 B has B_lo = 0 and the K = r half alone). Otherwise an fp32
+  GEMM, whose accuracy follows ``torch.backends.cuda.matmul.allow_tf32`` (off by default:
+  IEEE fp32).
+- ``"auto"`` (``assembly_method``): "gemm" for large r when it keeps the accuracy of the layer
+  (bf16x3 for a 16-bit W, or IEEE fp32 matmuls), else "kernel": the accuracy never depends on
+  a global flag.
 """
 
 from __future__ import annotations
@@ -23,6 +32,7 @@ import triton
 import triton.language as tl
 
 from .. import config
+from ..matmul import mm_out
 from .common import cdiv, check_launchable, next_pow2, unit_stride
 from .launch import Launcher
 
@@ -86,10 +96,11 @@ def _norm_assemble_kernel(
 _launch_norm_assemble = Launcher(_norm_assemble_kernel)
 
 
-def assembly_method(r: int) -> str:
-    """The method ``"auto"`` picks for rank r (module docstring)."""
-    ieee = not torch.backends.cuda.matmul.allow_tf32
-    return "gemm" if ieee and r >= config.NORM_GEMM_MIN_RANK else "kernel"
+def assembly_method(r: int, bf16x3: bool = False) -> str:
+    """The method ``"auto"`` picks for rank r (module docstring); ``bf16x3``: the layer's W is
+    16-bit, so the gemm may split its operands into bf16 terms."""
+    exact = (bf16x3 and config.NORM_GEMM_BF16X3) or not torch.backends.cuda.matmul.allow_tf32
+    return "gemm" if exact and r >= config.NORM_GEMM_MIN_RANK else "kernel"
 
 
 def assemble_norm(
@@ -100,10 +111,12 @@ def assemble_norm(
     scaling: float,
     *,
     method: str | None = None,
+    bf16x3: bool = False,
 ) -> torch.Tensor:
     """n [d_out] fp32 from base_sq [d_out] fp32, U [d_out, r] fp32, lora_B [d_out, r] (any
     float dtype), G [r, r] fp32. ``method``: "kernel", "gemm" or "auto" (default
-    ``config.NORM_ASSEMBLY``; see the module docstring)."""
+    ``config.NORM_ASSEMBLY``); ``bf16x3``: the layer's W is 16-bit, and the gemm forms B·G
+    from bf16 products when ``config.NORM_GEMM_BF16X3`` (see the module docstring)."""
     method = config.NORM_ASSEMBLY if method is None else method
     if method not in ("kernel", "gemm", "auto"):
         raise ValueError(f"method must be 'kernel', 'gemm' or 'auto'; got {method!r}")
@@ -111,12 +124,13 @@ def assemble_norm(
     (base_sq,) = unit_stride(base_sq)
     N, R = lora_B.shape
     if method == "auto":
-        method = assembly_method(R)
+        method = assembly_method(R, bf16x3)
     out = torch.empty(N, dtype=torch.float32, device=U.device)
     if N == 0:
         return out
     if method == "gemm":
-        return _assemble_by_gemm(base_sq, U, lora_B, G, scaling, out)
+        split = bf16x3 and config.NORM_GEMM_BF16X3
+        return _assemble_by_gemm(base_sq, U, lora_B, G, scaling, out, split)
     wide = R >= config.NORM_WIDE_RANK
     bm, br, warps = config.NORM_KERNEL_BLOCKS_WIDE if wide else config.NORM_KERNEL_BLOCKS
     bm = config.interp_small(bm)
@@ -159,11 +173,13 @@ def _norm_rows_kernel(
     stride_bn,
     stride_br,
     s,
+    SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_R: tl.constexpr,
 ):
     """n_i = sqrt(max(base_sq_i + Σ_j B_ij (2s·U_ij + s²·(BG)_ij), 0)) for a block of rows
-    (U and BG fp32 with unit column stride)."""
+    (U and BG fp32 with unit column stride; ``SPLIT``: BG is [rows, 2R], (BG)_ij the sum of
+    columns j and R + j)."""
     # Scalars arrive as fp64 when Inductor launches the kernel: keep the math in fp32.
     s = tl.cast(s, tl.float32)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -176,7 +192,10 @@ def _norm_rows_kernel(
             lb_ptr + rows[:, None] * stride_bn + js[None, :] * stride_br, mask=mask, other=0.0
         ).to(tl.float32)
         u = tl.load(u_ptr + rows[:, None] * stride_un + js[None, :], mask=mask, other=0.0)
-        bg = tl.load(bg_ptr + rows[:, None] * stride_bgn + js[None, :], mask=mask, other=0.0)
+        bg_tile = bg_ptr + rows[:, None] * stride_bgn + js[None, :]
+        bg = tl.load(bg_tile, mask=mask, other=0.0)
+        if SPLIT:
+            bg += tl.load(bg_tile + R, mask=mask, other=0.0)
         acc += tl.sum(b * (2.0 * s * u + s * s * bg), axis=1)
     base_sq = tl.load(base_sq_ptr + rows, mask=mask_m, other=0.0).to(tl.float32)
     tl.store(out_ptr + rows, tl.sqrt(tl.maximum(base_sq + acc, 0.0)), mask=mask_m)
@@ -185,11 +204,35 @@ def _norm_rows_kernel(
 _launch_norm_rows = Launcher(_norm_rows_kernel)
 
 
-def _assemble_by_gemm(base_sq, U, lora_B, G, scaling, out):
-    """The ``"gemm"`` assembly: cuBLAS B·G, then one row-reduction pass."""
+def split_bf16(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(hi, lo) in bf16 with x = hi + lo to 2⁻¹⁶ relative (lo = 0 for a bf16 x)."""
+    hi = x.to(torch.bfloat16)
+    return hi, (x.float() - hi.float()).to(torch.bfloat16)
+
+
+def bg_bf16x3(lora_B: torch.Tensor, G: torch.Tensor) -> torch.Tensor:
+    """[B_hi | B_lo]·[[G_hi, G_lo], [G_hi, 0]] as [rows, 2r] fp32 (module docstring): bf16
+    products accumulated in fp32 (cuBLAS on CUDA; fp32 arithmetic on exact bf16 values
+    elsewhere, the same sums)."""
+    g_hi, g_lo = split_bf16(G)
+    rhs = torch.cat([g_hi, g_lo], 1)
+    if lora_B.dtype == torch.bfloat16:
+        lhs = lora_B
+    else:
+        b_hi, b_lo = split_bf16(lora_B)
+        lhs = torch.cat([b_hi, b_lo], 1)
+        rhs = torch.cat([rhs, torch.cat([g_hi, torch.zeros_like(g_lo)], 1)], 0)
+    if lhs.is_cuda:
+        return mm_out(lhs, rhs, torch.float32)
+    return lhs.float() @ rhs.float()
+
+
+def _assemble_by_gemm(base_sq, U, lora_B, G, scaling, out, split: bool):
+    """The ``"gemm"`` assembly: one cuBLAS GEMM for B·G (bf16x3 with ``split``), then one
+    row-reduction pass."""
     N, R = lora_B.shape
     U = U.contiguous()
-    BG = torch.mm(lora_B.float(), G.float())
+    BG = bg_bf16x3(lora_B, G) if split else torch.mm(lora_B.float(), G.float())
     bm = config.interp_small(config.NORM_ROWS_BLOCK_M)
     br = max(16, min(config.NORM_ROWS_BLOCK_R, next_pow2(R)))
     _launch_norm_rows(
@@ -206,6 +249,7 @@ def _assemble_by_gemm(base_sq, U, lora_B, G, scaling, out):
         lora_B.stride(0),
         lora_B.stride(1),
         float(scaling),
+        SPLIT=split,
         BLOCK_M=bm,
         BLOCK_R=br,
         num_warps=config.NORM_ROWS_WARPS,

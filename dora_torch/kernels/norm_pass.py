@@ -112,7 +112,9 @@ def norm_pass_applies(weight: torch.Tensor, r: int) -> bool:
     if not (weight.is_cuda or config.interpreting()):
         return False
     method = config.NORM_ASSEMBLY
-    return (assembly_method(r) if method == "auto" else method) == "kernel"
+    if method == "auto":
+        method = assembly_method(r, weight.dtype != torch.float32)
+    return method == "kernel"
 
 
 def norm_pass(

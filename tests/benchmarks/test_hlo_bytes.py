@@ -69,6 +69,28 @@ def test_kernels_of_a_handwritten_program():
     assert s["kernels"] == 5 and s["by_kind"]["fusion:kLoop"] == 1
 
 
+def test_an_element_of_a_multi_output_fusion_counts_alone():
+    """``%f#1`` reads element 1 of f's tuple, not the whole tuple."""
+    text = """\
+%fused (p: f32[8,16]) -> (f32[8,16], bf16[8]) {
+  %p = f32[8,16]{1,0} parameter(0)
+  ROOT %t = (f32[8,16]{1,0}, bf16[8]{0}) tuple(%p, %p)
+}
+
+ENTRY %main (x: f32[8,16]) -> bf16[8] {
+  %x = f32[8,16]{1,0} parameter(0)
+  %two = (f32[8,16]{1,0}, bf16[8]{0}) fusion(%x), kind=kLoop, calls=%fused
+  ROOT %neg = bf16[8]{0} negate(%two#1)
+}
+"""
+    ks = {k.name: k for k in hb.kernels(hb.parse_program(text))}
+    assert ks["neg"].bytes == 2 * 8 * 2
+    assert ks["two"].bytes == 8 * 16 * 4 + (8 * 16 * 4 + 8 * 2)
+    assert hb.element_shape("(f32[2]{0}, (s8[3], u8[1]))", 1) == "(s8[3], u8[1])"
+    with pytest.raises(ValueError, match="element 1"):
+        hb.element_shape("f32[2]", 1)
+
+
 def test_a_compiled_program_reads_back(capsys, tmp_path):
     """A CPU-compiled LoRA gradient: its GEMM output is found, and the CLI prints it."""
 

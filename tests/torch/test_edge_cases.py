@@ -53,7 +53,9 @@ def test_norm_assembly_methods_match_eager(method, r):
         assemble_norm(base_sq, U, B, G, s, method="dense")
 
 
-def test_auto_assembly_uses_the_gemm_only_with_ieee_fp32_matmuls(monkeypatch):
+def test_auto_assembly_uses_the_gemm_only_where_it_keeps_the_accuracy(monkeypatch):
+    """An fp32 layer takes the gemm only with IEEE fp32 matmuls; a 16-bit one (bf16x3) always,
+    unless ``config.NORM_GEMM_BF16X3`` is off."""
     from dora_torch import config
     from dora_torch.kernels.norm import assembly_method
 
@@ -63,10 +65,61 @@ def test_auto_assembly_uses_the_gemm_only_with_ieee_fp32_matmuls(monkeypatch):
     try:
         matmul.allow_tf32 = False
         assert (assembly_method(31), assembly_method(32)) == ("kernel", "gemm")
+        assert (assembly_method(31, True), assembly_method(32, True)) == ("kernel", "gemm")
         matmul.allow_tf32 = True
         assert assembly_method(384) == "kernel"  # a TF32 cuBLAS GEMM would lose fp32 accuracy
+        assert assembly_method(384, True) == "gemm"  # bf16 products: no TF32 involved
+        monkeypatch.setattr(config, "NORM_GEMM_BF16X3", False)
+        assert assembly_method(384, True) == "kernel"
     finally:
         matmul.allow_tf32 = before
+
+
+@pytest.mark.parametrize("b_dtype", [torch.float32, torch.bfloat16])
+def test_bf16x3_product_error_bound(b_dtype):
+    """B·G from bf16 pairs (kernels/norm.py): each entry within 3·2⁻¹⁶ Σ_k |B_ik||G_kj| of
+    float64 (2⁻¹⁶ for a bf16 B, which needs no lo term), where the one-product bf16 form,
+    B_hi·G_hi, is not."""
+    from dora_torch.kernels.norm import bg_bf16x3, split_bf16
+
+    g = torch.Generator().manual_seed(4)
+    r = 96
+    A = torch.randn(r, 300, generator=g) / 10
+    G = A @ A.t()
+    B = (torch.randn(500, r, generator=g) * 0.1).to(b_dtype)
+    want = B.double() @ G.double()
+    scale = B.double().abs() @ G.double().abs()
+    P = bg_bf16x3(B, G)
+    assert P.shape == (500, 2 * r) and P.dtype == torch.float32
+    got = (P[:, :r] + P[:, r:]).double()
+    bound = (3 if b_dtype == torch.float32 else 1) * 2.0**-16
+    assert ((got - want).abs() / scale).max() <= bound * 1.05  # + fp32 accumulation
+    one = split_bf16(B)[0].double() @ split_bf16(G)[0].double()
+    assert ((one - want).abs() / scale).max() > 4 * bound
+    hi, lo = split_bf16(G)
+    assert ((hi.double() + lo.double() - G.double()).abs() <= 2.0**-16 * G.double().abs()).all()
+
+
+@pytest.mark.parametrize("r", [6, 40])
+def test_gemm_assembly_bf16x3_norm_within_its_bound(r):
+    """The gemm assembly with bf16x3 (a 16-bit layer) against float64: the norm moves by at
+    most what the B·G bound allows (and the split rows kernel sums both halves)."""
+    from dora_torch.kernels.norm import assemble_norm
+    from dora_torch.norm import cross_terms, gram
+
+    _, W, A, B, _, _, s = random_case_tensors(7, d_in=45, d_out=37, r=r)
+    B = B * 4  # a large s²·B G Bᵀ term, so that its error shows
+    base_sq = dora_torch.base_sq_norm(W)
+    U, G = cross_terms(W, A), gram(A, W)
+    got = assemble_norm(base_sq, U, B, G, s, method="gemm", bf16x3=True).double()
+    Bd, Ud, Gd = B.double(), U.double(), G.double()
+    sq = base_sq.double() + (Bd * (2 * s * Ud + s * s * (Bd @ Gd))).sum(1)
+    want = sq.sqrt()
+    slack = s * s * (Bd.abs() * (Bd.abs() @ Gd.abs())).sum(1) * 3 * 2.0**-16
+    assert ((got**2 - sq).abs() <= slack + 1e-6 * sq).all()
+    plain = assemble_norm(base_sq, U, B, G, s, method="gemm").double()
+    assert not torch.equal(got, plain)  # the split path ran
+    np.testing.assert_allclose(plain.numpy(), want.numpy(), rtol=2e-6)
 
 
 def test_factored_norm_bf16_accumulates_in_fp32():
