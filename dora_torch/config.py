@@ -161,6 +161,8 @@ NORM_ASSEMBLY = "auto"
 #: against the output's 2⁻⁸) instead of an fp32 GEMM on the CUDA cores, which run 17 measured
 #: at 88.6 of the 103 µs of the r = 384 assembly per 8192 rows; False = the fp32 GEMM.
 NORM_GEMM_BF16X3 = True
+#: Elements per program of the kernel that splits B or G into bf16 pairs.
+SPLIT_BF16_BLOCK = 1024
 #: Up to this rank the fused tier computes the whole norm in one pass over W
 #: (``kernels/norm_pass.py``: U, G and, when not cached, ‖W‖² never reach memory), where the
 #: kernel assembly is chosen; (BLOCK_M, BLOCK_D, warps, stages) of that kernel

@@ -204,24 +204,61 @@ def _norm_rows_kernel(
 _launch_norm_rows = Launcher(_norm_rows_kernel)
 
 
-def split_bf16(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(hi, lo) in bf16 with x = hi + lo to 2⁻¹⁶ relative (lo = 0 for a bf16 x)."""
-    hi = x.to(torch.bfloat16)
-    return hi, (x.float() - hi.float()).to(torch.bfloat16)
+@triton.jit
+def _round_bf16(x):
+    """x (fp32) rounded to the nearest bf16 value, ties to even, still as fp32: on the bits (add
+    0x7FFF plus the lsb kept, clear the low 16 bits), so the Triton interpreter (whose casts
+    truncate) and the GPU round alike. For finite, normal x (B and G of a layer): the
+    interpreter's casts of subnormals differ from the GPU's."""
+    bits = x.to(tl.int32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _split_bf16_kernel(x_ptr, out_ptr, numel, cols, BLOCK: tl.constexpr):
+    """out[i, :cols] = hi = bf16(x[i]), out[i, cols:] = bf16(x[i] − hi), both rounded to
+    nearest even, for a contiguous x [rows, cols] and out [rows, 2·cols]."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = i < numel
+    x = tl.load(x_ptr + i, mask=mask, other=0.0).to(tl.float32)
+    hi = _round_bf16(x)
+    lo = _round_bf16(x - hi)  # x − hi is exact in fp32
+    at = out_ptr + (i // cols) * (2 * cols) + i % cols
+    tl.store(at, hi.to(tl.bfloat16), mask=mask)  # exact casts: both are bf16 values already
+    tl.store(at + cols, lo.to(tl.bfloat16), mask=mask)
+
+
+_launch_split_bf16 = Launcher(_split_bf16_kernel)
+
+
+def split_bf16(x: torch.Tensor) -> torch.Tensor:
+    """[hi | lo]: x [rows, cols] as one bf16 [rows, 2·cols] tensor, x = hi + lo to 2⁻¹⁶
+    relative (lo = 0 for a bf16 x); one launch. A Triton kernel, not torch ops: Inductor may
+    keep a fused ``x.to(bf16)`` unrounded in fp32 (``emulate_precision_casts`` off), and lo
+    would then vanish in compiled graphs."""
+    check_launchable(x)
+    x = x.contiguous()
+    rows, cols = x.shape
+    out = torch.empty(rows, 2 * cols, dtype=torch.bfloat16, device=x.device)
+    if x.numel():
+        block = config.SPLIT_BF16_BLOCK
+        grid = (cdiv(x.numel(), block),)
+        _launch_split_bf16(grid, x, out, x.numel(), cols, BLOCK=block, num_warps=4)
+    return out
 
 
 def bg_bf16x3(lora_B: torch.Tensor, G: torch.Tensor) -> torch.Tensor:
     """[B_hi | B_lo]·[[G_hi, G_lo], [G_hi, 0]] as [rows, 2r] fp32 (module docstring): bf16
     products accumulated in fp32 (cuBLAS on CUDA; fp32 arithmetic on exact bf16 values
     elsewhere, the same sums)."""
-    g_hi, g_lo = split_bf16(G)
-    rhs = torch.cat([g_hi, g_lo], 1)
+    rhs = split_bf16(G)
     if lora_B.dtype == torch.bfloat16:
         lhs = lora_B
     else:
-        b_hi, b_lo = split_bf16(lora_B)
-        lhs = torch.cat([b_hi, b_lo], 1)
-        rhs = torch.cat([rhs, torch.cat([g_hi, torch.zeros_like(g_lo)], 1)], 0)
+        r = G.shape[0]
+        lhs = split_bf16(lora_B)
+        rhs = torch.cat([rhs, torch.nn.functional.pad(rhs[:, :r], (0, r))])
     if lhs.is_cuda:
         return mm_out(lhs, rhs, torch.float32)
     return lhs.float() @ rhs.float()

@@ -94,10 +94,30 @@ def test_bf16x3_product_error_bound(b_dtype):
     got = (P[:, :r] + P[:, r:]).double()
     bound = (3 if b_dtype == torch.float32 else 1) * 2.0**-16
     assert ((got - want).abs() / scale).max() <= bound * 1.05  # + fp32 accumulation
-    one = split_bf16(B)[0].double() @ split_bf16(G)[0].double()
+    one = split_bf16(B)[:, :r].double() @ split_bf16(G)[:, :r].double()
     assert ((one - want).abs() / scale).max() > 4 * bound
-    hi, lo = split_bf16(G)
-    assert ((hi.double() + lo.double() - G.double()).abs() <= 2.0**-16 * G.double().abs()).all()
+    pair = split_bf16(G).double()
+    hi, lo = pair[:, :r], pair[:, r:]
+    assert torch.equal(hi, G.bfloat16().double())
+    assert torch.equal(lo, (G - G.bfloat16().float()).bfloat16().double())  # rounded once
+    assert ((hi + lo - G.double()).abs() <= 2.0**-16 * G.double().abs()).all()
+    assert not split_bf16(B.bfloat16())[:, r:].any()  # a bf16 x needs no lo
+
+
+def test_split_bf16_rounds_like_torch():
+    """hi is torch's own round-to-nearest-even bf16 (ties both ways, negatives, a carry into
+    the exponent, zeros), lo the rest rounded the same way (the kernel under the interpreter,
+    whose own casts truncate; test_gpu.py runs it compiled)."""
+    from dora_torch.kernels.norm import split_bf16
+
+    ties = torch.tensor([0x3F808000, 0x3F818000, 0xBF808000, 0x3F80FFFF, 0x3FFFFFFF])
+    x = torch.cat([ties.to(torch.int32).view(torch.float32), torch.tensor([0.0, -0.0, 1e30])])
+    x = torch.cat([x, torch.randn(292, generator=torch.Generator().manual_seed(0))])
+    x = x.view(3, 100)
+    pair = split_bf16(x)
+    assert torch.equal(pair[:, :100], x.bfloat16())
+    assert torch.equal(pair[:, 100:], (x - x.bfloat16().float()).bfloat16())
+    assert split_bf16(x[:0]).shape == (0, 200)
 
 
 @pytest.mark.parametrize("r", [6, 40])

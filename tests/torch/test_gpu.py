@@ -158,6 +158,27 @@ def test_cuda_norm_assembly_methods_match_fp64(method, d_out, r, s, bf16x3):
         assert ((got**2 - sq).abs() <= slack + 1e-6 * sq).all()
 
 
+@pytest.mark.parametrize("b_dtype", [torch.float32, torch.bfloat16])
+def test_cuda_bf16x3_split_rounds_like_torch_and_compiles_alike(b_dtype):
+    """The bf16 split kernel rounds as torch does, compiled (fullgraph) it gives the same
+    bits, and the compiled bf16x3 B·G is eager's up to GEMM summation order (losing the lo
+    halves, as a fused ``x.to(bf16)`` could, would cost ~1e-3)."""
+    from dora_torch.kernels.norm import bg_bf16x3, split_bf16
+
+    torch.manual_seed(0)
+    x = torch.randn(300, 97, device="cuda")
+    pair = split_bf16(x)
+    assert torch.equal(pair[:, :97], x.bfloat16())
+    assert torch.equal(pair[:, 97:], (x - x.bfloat16().float()).bfloat16())
+    B = (torch.randn(4099, 384, device="cuda") * 0.1).to(b_dtype)
+    A = torch.randn(384, 256, device="cuda") / 16
+    G = A @ A.t()
+    assert torch.equal(torch.compile(split_bf16, fullgraph=True)(x), pair)
+    eager = bg_bf16x3(B, G)
+    compiled = torch.compile(bg_bf16x3, fullgraph=True)(B, G)
+    torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 def test_cuda_zero_magnitude_columns_recompute_inner(dtype):
     """No bias, no dropout: the fused backward recovers inner from y, except in columns with
