@@ -8,6 +8,7 @@ Dump the programs on the GPU machine, bring the text back, read it anywhere:
     DORA_BENCH_JAX_LAYERS=1 DORA_BENCH_JAX_RANKS=16 \\
     python3 -m benchmarks.run --skip-tests --only model_jax
     python3 -m benchmarks.hlo_bytes /tmp/hlo/*jit_train*after_optimizations.txt
+    python3 -m benchmarks.hlo_bytes --diff LORA.txt OURS.txt   # what ours adds, by kernel
 
 A kernel is every instruction of the entry computation (and, once each, of the bodies of its
 while loops and conditionals) that is not bookkeeping (parameters, constants, tuples,
@@ -219,14 +220,49 @@ def summary(ks: list[Kernel]) -> dict:
     return {"kernels": len(ks), "gb": sum(k.bytes for k in ks) / 1e9, "by_kind": dict(by_kind)}
 
 
+def diff(base: list[Kernel], other: list[Kernel], min_bytes: float = 1e6) -> list[tuple]:
+    """What ``other`` launches beyond ``base``, grouped by (kind, output shape): rows of
+    (bytes added, kind, shape, count in base, count in other), largest change first; groups
+    whose bytes move by less than ``min_bytes`` and whose counts agree are left out."""
+    groups: dict[tuple, list] = {}
+    for i, ks in enumerate((base, other)):
+        for k in ks:
+            g = groups.setdefault((k.kind, k.shape), [0.0, 0.0, 0, 0])
+            g[i] += k.bytes
+            g[2 + i] += 1
+    rows = [
+        (b1 - b0, kind, shape, n0, n1)
+        for (kind, shape), (b0, b1, n0, n1) in groups.items()
+        if abs(b1 - b0) >= min_bytes or n0 != n1
+    ]
+    return sorted(rows, key=lambda r: -abs(r[0]))
+
+
+def _load(path: str) -> list[Kernel]:
+    with open(path) as f:
+        return kernels(parse_program(f.read()))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("files", nargs="+", help="optimized HLO text (*after_optimizations.txt)")
     ap.add_argument("--top", type=int, default=15, help="largest kernels listed per file")
+    ap.add_argument(
+        "--diff", action="store_true", help="two files: what the second launches beyond the first"
+    )
     args = ap.parse_args(argv)
+    if args.diff:
+        if len(args.files) != 2:
+            ap.error("--diff takes exactly two files")
+        base, other = (_load(p) for p in args.files)
+        (s0, s1), total = (summary(base), summary(other)), 0.0
+        print(f"{args.files[1]} over {args.files[0]}: {s1['kernels'] - s0['kernels']:+d} "
+              f"kernels, {s1['gb'] - s0['gb']:+.3f} GB")  # fmt: skip
+        for added, kind, shape, n0, n1 in diff(base, other):
+            print(f"    {added / 1e6:+10.1f} MB  {n0:4d} -> {n1:<4d} {kind:32s} {shape}")
+        return 0
     for path in args.files:
-        with open(path) as f:
-            ks = kernels(parse_program(f.read()))
+        ks = _load(path)
         s = summary(ks)
         print(f"{path}: {s['kernels']} kernels, {s['gb']:.3f} GB touched")
         for kind, n in sorted(s["by_kind"].items(), key=lambda kv: -kv[1]):

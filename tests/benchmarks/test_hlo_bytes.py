@@ -91,6 +91,27 @@ ENTRY %main (x: f32[8,16]) -> bf16[8] {
         hb.element_shape("f32[2]", 1)
 
 
+def test_diff_groups_by_kind_and_shape(capsys, tmp_path):
+    """--diff: the second program's extra kernels, by (kind, output shape)."""
+    one = hb.Kernel("main", "a", "fusion:kLoop", "f32[8]", 64.0)
+    base = [one, hb.Kernel("main", "g", "custom-call:gemm", "f32[8,8]", 5e6)]
+    other = base + [hb.Kernel("main", "b", "fusion:kLoop", "f32[8]", 64.0)]
+    other += [hb.Kernel("main", "r", "fusion:kInput", "f32[4]", 3e6)]
+    rows = hb.diff(base, other)
+    assert rows == [(3e6, "fusion:kInput", "f32[4]", 0, 1), (64.0, "fusion:kLoop", "f32[8]", 1, 2)]
+    assert hb.diff(base, base) == []
+    head = "ENTRY %m (x: f32[8]) -> f32[8] {\n  %x = f32[8]{0} parameter(0)\n"
+    paths = [tmp_path / "a.txt", tmp_path / "b.txt"]
+    paths[0].write_text(head + "}\n")
+    paths[1].write_text(head + "  ROOT %y = f32[8]{0} negate(%x)\n}\n")
+    paths = [str(p) for p in paths]
+    assert hb.main(["--diff", *paths]) == 0
+    out = capsys.readouterr().out
+    assert "+1 kernels" in out and "negate" in out
+    with pytest.raises(SystemExit):
+        hb.main(["--diff", paths[0]])
+
+
 def test_a_compiled_program_reads_back(capsys, tmp_path):
     """A CPU-compiled LoRA gradient: its GEMM output is found, and the CLI prints it."""
 
