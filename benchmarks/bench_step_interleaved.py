@@ -16,7 +16,9 @@ Variants (each on a fresh copy of the 8-layer base, ``lora_alpha = 2r``, AdamW f
     stay on, so this is not session 4's code;
   - ``ours_kernel_assembly``: the norm always assembled by the fused kernel
     (``NORM_ASSEMBLY = "kernel"``, the default before session 6);
-  - ``ours_no_norm_pass``: the norm without the one-pass kernel (``NORM_PASS_MAX_RANK = 0``).
+  - ``ours_no_norm_pass``: the norm without the one-pass kernel (``NORM_PASS_MAX_RANK = 0``);
+  - ``ours_fp32_gemm_assembly``: the gemm assembly's B·G as an fp32 GEMM, not bf16x3
+    (``NORM_GEMM_BF16X3`` off; matters from r = ``NORM_GEMM_MIN_RANK``).
 
     python3 -m benchmarks.bench_step_interleaved --ranks 16 384 --adapters bf16 fp32
 """
@@ -40,6 +42,7 @@ VARIANTS = {
     "ours_triton_launch": ("ours", {"NORM_GROUP_GRAPHS": False, "FAST_TRITON_LAUNCH": False}),
     "ours_kernel_assembly": ("ours", {"NORM_ASSEMBLY": "kernel"}),
     "ours_no_norm_pass": ("ours", {"NORM_PASS_MAX_RANK": 0}),
+    "ours_fp32_gemm_assembly": ("ours", {"NORM_GEMM_BF16X3": False}),
     "peft_dora": ("peft_dora", {}),
 }
 SWITCHES = sorted({key for _, overrides in VARIANTS.values() for key in overrides})
