@@ -157,9 +157,9 @@ NORM_DOT_PRECISION = "tf32x3"
 #: drops from 65.5 to 59.0 ms (benchmarks/NOTES.md).
 NORM_ASSEMBLY = "auto"
 #: For a layer whose W is 16-bit, the gemm assembly forms B·G from bf16 tensor-core products
-#: (each fp32 operand split into two bf16 terms; kernels/norm.py gives the error bound, ~2⁻¹⁵
-#: against the output's 2⁻⁸) instead of an fp32 GEMM on the CUDA cores, which run 17 measured
-#: at 88.6 of the 103 µs of the r = 384 assembly per 8192 rows; False = the fp32 GEMM.
+#: (each fp32 operand split into two bf16 terms; kernels/norm.py gives the error bound,
+#: 3·2⁻¹⁶ against the output's 2⁻⁸ or 2⁻¹¹) instead of an fp32 GEMM on the CUDA cores: at
+#: r = 384, 27.5 against 77.3 µs per 8192 rows (run 38); False = the fp32 GEMM.
 NORM_GEMM_BF16X3 = True
 #: Elements per program of the kernel that splits B or G into bf16 pairs.
 SPLIT_BF16_BLOCK = 1024

@@ -16,8 +16,9 @@ with U = W Aᵀ [d_out, r] and G = A Aᵀ [r, r] (fp32, from GEMMs). Two ways
 
       B G ≈ [B_hi | B_lo] · [[G_hi, G_lo], [G_hi, 0]]   ([rows, 2r] fp32, halves summed)
 
-  drops only B_lo·G_lo: each entry within ~2⁻¹⁵ of Σ_k |B_ik||G_kj|, far below the 2⁻⁸ of the
-  layer's 16-bit output (a bf16 B has B_lo = 0 and the K = r half alone). Otherwise an fp32
+  drops only B_lo·G_lo: each entry within 3·2⁻¹⁶ of Σ_k |B_ik||G_kj| (the dropped product
+  and the two split residuals, 2⁻¹⁶ each), below the 2⁻⁸ (bf16) or 2⁻¹¹ (fp16) rounding of
+  the layer's output (a bf16 B has B_lo = 0 and the K = r half alone). Otherwise an fp32
   GEMM, whose accuracy follows ``torch.backends.cuda.matmul.allow_tf32`` (off by default:
   IEEE fp32).
 - ``"auto"`` (``assembly_method``): "gemm" for large r when it keeps the accuracy of the layer
