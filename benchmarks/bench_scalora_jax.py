@@ -226,10 +226,16 @@ def main(argv=None) -> int:
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     ap.add_argument("--eigh", default="qr", choices=["qr", "jax"],
                     help="dora_jax.config.SCALORA_EIGH_ON_GPU for this run")  # fmt: skip
-    ap.add_argument("--sync-each-step", action="store_true",
-                    help="wait for each step before the next (no run-ahead)")
-    ap.add_argument("--trace-peak", action="store_true",
-                    help="wait for each step and list the steps at which the peak rose")  # fmt: skip
+    ap.add_argument(
+        "--sync-each-step",
+        action="store_true",
+        help="wait for each step before the next (no run-ahead)",
+    )
+    ap.add_argument(
+        "--trace-peak",
+        action="store_true",
+        help="wait for each step and list the steps at which the peak rose",
+    )
     ap.add_argument(
         "--one", type=int, nargs=3, metavar=("RANK", "INTERVAL", "STEPS"), help=argparse.SUPPRESS
     )  # a child of --isolate: print one JSON row

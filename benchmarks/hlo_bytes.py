@@ -13,9 +13,10 @@ Dump the programs on the GPU machine, bring the text back, read it anywhere:
 A kernel is every instruction of the entry computation (and, once each, of the bodies of its
 while loops and conditionals) that is not bookkeeping (parameters, constants, tuples,
 get-tuple-element, bitcasts, the "-done" half of an async pair). Its bytes are the sizes of
-its operands (for ``%f#k``, element k of a multi-output fusion) plus its output: exact for elementwise fusions and library GEMMs, an upper bound
-for a fusion that reads only a slice of an operand. Bytes moved at HBM speed give a floor on
-time; the kernel count, a floor on launch latency.
+its operands (for ``%f#k``, element k of a multi-output fusion) plus its output: exact for
+elementwise fusions and library GEMMs, an upper bound for a fusion that reads only a slice
+of an operand. Bytes moved at HBM speed give a floor on time; the kernel count, a floor on
+launch latency.
 """
 
 from __future__ import annotations
@@ -255,7 +256,7 @@ def main(argv=None) -> int:
         if len(args.files) != 2:
             ap.error("--diff takes exactly two files")
         base, other = (_load(p) for p in args.files)
-        (s0, s1), total = (summary(base), summary(other)), 0.0
+        s0, s1 = summary(base), summary(other)
         print(f"{args.files[1]} over {args.files[0]}: {s1['kernels'] - s0['kernels']:+d} "
               f"kernels, {s1['gb'] - s0['gb']:+.3f} GB")  # fmt: skip
         for added, kind, shape, n0, n1 in diff(base, other):

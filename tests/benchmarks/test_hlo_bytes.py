@@ -95,8 +95,11 @@ def test_diff_groups_by_kind_and_shape(capsys, tmp_path):
     """--diff: the second program's extra kernels, by (kind, output shape)."""
     one = hb.Kernel("main", "a", "fusion:kLoop", "f32[8]", 64.0)
     base = [one, hb.Kernel("main", "g", "custom-call:gemm", "f32[8,8]", 5e6)]
-    other = base + [hb.Kernel("main", "b", "fusion:kLoop", "f32[8]", 64.0)]
-    other += [hb.Kernel("main", "r", "fusion:kInput", "f32[4]", 3e6)]
+    other = [
+        *base,
+        hb.Kernel("main", "b", "fusion:kLoop", "f32[8]", 64.0),
+        hb.Kernel("main", "r", "fusion:kInput", "f32[4]", 3e6),
+    ]
     rows = hb.diff(base, other)
     assert rows == [(3e6, "fusion:kInput", "f32[4]", 0, 1), (64.0, "fusion:kLoop", "f32[8]", 1, 2)]
     assert hb.diff(base, base) == []
