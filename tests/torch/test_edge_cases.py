@@ -120,7 +120,7 @@ def test_split_bf16_rounds_like_torch():
     assert split_bf16(x[:0]).shape == (0, 200)
 
 
-@pytest.mark.parametrize("r", [6, 40])
+@pytest.mark.parametrize("r", [1, 6, 40])
 def test_gemm_assembly_bf16x3_norm_within_its_bound(r):
     """The gemm assembly with bf16x3 (a 16-bit layer) against float64: the norm moves by at
     most what the B·G bound allows (and the split rows kernel sums both halves)."""
