@@ -100,15 +100,18 @@ def measure(rank: int, n_layers: int, tiny: bool, iters: int) -> list[dict]:
                           grads[k]["lora_b"], 1.0) for k in keys]  # fmt: skip
         return tuple(jnp.stack([o[i] for o in out]) for i in range(3))
 
+    def timed(fn, *args):
+        return jax_time_ms(lambda: fn(*args), iters=iters)
+
     sys_fn = jax.jit(systems)
-    row("system", jax_time_ms(lambda: sys_fn(adapters, grads), iters=iters))
+    row("system", timed(sys_fn, adapters, grads))
     K, lam, status = sys_fn(adapters, grads)
     eL = jnp.ones((len(keys),), K.dtype)
 
     for eigh in ("qr", "jax"):
         with _config(SCALORA_EIGH_ON_GPU=eigh):
             solve = jax.jit(jax.vmap(lambda *xs: sc._solve(*xs, sc.default_tol(K.dtype))))
-            row("solve", jax_time_ms(lambda: solve(K, lam, eL, status), iters=iters), eigh=eigh)
+            row("solve", timed(solve, K, lam, eL, status), eigh=eigh)
     alpha = jnp.full((len(keys), rank), 0.9, jnp.float32)
     beta = jnp.full((len(keys), rank), 1.1, jnp.float32)
 
@@ -118,15 +121,16 @@ def measure(rank: int, n_layers: int, tiny: bool, iters: int) -> list[dict]:
         with _config(SCALORA_MERGE_ROWS=merge_rows):
 
             def merges(base, adapters, alpha, beta):
-                return [sc.merge_scaled(base[k], adapters[k]["lora_a"], adapters[k]["lora_b"],
-                                        alpha[i], beta[i], 1.0) for i, k in enumerate(keys)]  # fmt: skip
+                return [
+                    sc.merge_scaled(base[k], ad["lora_a"], ad["lora_b"], alpha[i], beta[i], 1.0)
+                    for i, (k, ad) in enumerate(adapters.items())
+                ]
 
-            merge = jax.jit(merges)
-            ms = jax_time_ms(lambda: merge(base, adapters, alpha, beta), iters=iters)
-            row("merge", ms, merge_rows=label)
-            update = jax.jit(lambda a, b, o, g: sc.scalora_update(a, b, o, g, lr_times_L=1.0,
-                                                                  scaling=1.0))  # fmt: skip
-            ms = jax_time_ms(lambda: update(adapters, base, opt_state, grads), iters=iters)
+            def update(a, b, o, g):
+                return sc.scalora_update(a, b, o, g, lr_times_L=1.0, scaling=1.0)
+
+            row("merge", timed(jax.jit(merges), base, adapters, alpha, beta), merge_rows=label)
+            ms = timed(jax.jit(update), adapters, base, opt_state, grads)
             row("update", ms, merge_rows=label, eigh="qr")
     return rows
 
