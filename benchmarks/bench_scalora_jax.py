@@ -36,6 +36,7 @@ import argparse
 import json
 import os
 import pathlib
+import statistics
 import subprocess
 import sys
 import time
@@ -47,7 +48,7 @@ from benchmarks.measure import write_csv
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # share the GPU with torch
 
 FIELDS = ["backend", "variant", "rank", "interval", "steps", "sync_each_step", "step_mean_ms",
-          "peak_gib", "time_ratio", "peak_ratio", "peak_rises"]  # fmt: skip
+          "peak_gib", "time_ratio", "peak_ratio", "peak_rises", "phases_ms"]  # fmt: skip
 GIB = 2.0**30
 LR, LR_TIMES_L = 1e-5, 1.0  # the cost does not depend on L·η (both branches are computed)
 
@@ -81,12 +82,14 @@ def measure(
     own_process: bool = False,
     sync_each_step: bool = False,
     trace_peak: bool = False,
+    phases: bool = False,
 ) -> dict:
     """One variant over ``steps`` timed steps (default max(20, interval)). ``own_process``:
     nothing else ran in this process, so its device peak is this variant's even where the
     peak cannot be reset; otherwise such a peak is not reported (None). ``sync_each_step``:
     wait for each step's adapters before dispatching the next; ``trace_peak``: the same, and
-    the steps at which the device peak rose (module docstring)."""
+    the steps at which the device peak rose (module docstring); ``phases``: wait after each
+    phase of a step (gradient, ScaLoRA, optimizer update) and report each phase's median."""
     import jax
     import jax.numpy as jnp
     import optax
@@ -112,14 +115,25 @@ def measure(
         opt.update(model, grads)
 
     count = [0]  # the training loop's step counter (a Python int: see scalora_step)
+    spent = {"grad": [], "scalora": [], "update": []}
+
+    def phase(name, t0, out):
+        if phases:
+            jax.block_until_ready(out)
+            spent[name].append((time.perf_counter() - t0) * 1e3)
+        return time.perf_counter()
 
     def step():
+        t = time.perf_counter()
         grads = grad(model, ids)
+        t = phase("grad", t, grads)
         if interval:
             grads, _ = scalora_step(
                 model, opt, grads, lr_times_L=LR_TIMES_L, step=count[0], interval=interval
             )
+            t = phase("scalora", t, (grads, nnx.state(model)))
         update(model, opt, grads)
+        phase("update", t, nnx.state(model, nnx.LoRAParam))
         count[0] += 1
 
     def ready():
@@ -141,6 +155,8 @@ def measure(
         step()
         traced()
     ready()
+    for times in spent.values():
+        times.clear()
     stats = device.memory_stats() or {}
     resettable = hasattr(device, "reset_memory_stats")
     if "peak_bytes_in_use" in stats and resettable:
@@ -160,7 +176,9 @@ def measure(
     return {"backend": jax.default_backend(), "rank": rank, "interval": interval,
             "steps": steps, "sync_each_step": sync_each_step, "step_mean_ms": round(ms, 2),
             "peak_gib": None if peak is None else round(peak / GIB, 3),
-            "peak_rises": " ".join(f"{i}:{g}" for i, g in rises) or None}  # fmt: skip
+            "peak_rises": " ".join(f"{i}:{g}" for i, g in rises) or None,
+            "phases_ms": " ".join(f"{k}:{statistics.median(v):.2f}" for k, v in spent.items()
+                                  if v) or None}  # fmt: skip
 
 
 def _isolated(
@@ -172,6 +190,7 @@ def _isolated(
     tiny: bool,
     sync_each_step: bool,
     trace_peak: bool,
+    phases: bool,
 ) -> dict:
     """``measure`` in a fresh Python process (its own device peak)."""
     from dora_jax import config as dora_config
@@ -180,7 +199,8 @@ def _isolated(
             str(interval), str(steps), "--layers", str(layers), "--eigh",
             dora_config.SCALORA_EIGH_ON_GPU] + (["--tiny"] if tiny else []) + (
             ["--sync-each-step"] if sync_each_step else []) + (
-            ["--trace-peak"] if trace_peak else [])  # fmt: skip
+            ["--trace-peak"] if trace_peak else []) + (["--phases"] if phases else []) + [
+            "--merge-rows", str(dora_config.SCALORA_MERGE_ROWS)]  # fmt: skip
     done = subprocess.run(args, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"variant r={rank} I={interval} failed:\n{done.stderr[-4000:]}")
@@ -189,7 +209,7 @@ def _isolated(
 
 def _bench(out_dir, ranks, *, layers: int = 8, tiny: bool = False, isolate: bool = False,
            variants=tuple(VARIANTS), sync_each_step: bool = False,
-           trace_peak: bool = False):  # fmt: skip
+           trace_peak: bool = False, phases: bool = False):  # fmt: skip
     import jax
 
     rows, summary = [], []
@@ -199,7 +219,7 @@ def _bench(out_dir, ranks, *, layers: int = 8, tiny: bool = False, isolate: bool
         got = {}
         for name, interval in chosen.items():
             kw = dict(steps=steps, layers=layers, tiny=tiny, sync_each_step=sync_each_step,
-                      trace_peak=trace_peak)  # fmt: skip
+                      trace_peak=trace_peak, phases=phases)  # fmt: skip
             if isolate:
                 got[name] = _isolated(rank, interval, **kw)
             else:
@@ -237,23 +257,34 @@ def main(argv=None) -> int:
         help="wait for each step and list the steps at which the peak rose",
     )
     ap.add_argument(
+        "--phases",
+        action="store_true",
+        help="wait after each phase of a step and report the phases' medians (phases_ms)",
+    )
+    ap.add_argument("--merge-rows", type=int, default=None,
+                    help="dora_jax.config.SCALORA_MERGE_ROWS for this run")  # fmt: skip
+    ap.add_argument(
         "--one", type=int, nargs=3, metavar=("RANK", "INTERVAL", "STEPS"), help=argparse.SUPPRESS
     )  # a child of --isolate: print one JSON row
     args = ap.parse_args(argv)
     from dora_jax import config as dora_config
 
     dora_config.SCALORA_EIGH_ON_GPU = args.eigh
-    print(f"[scalora_jax] eigensolver on GPUs: {args.eigh}", flush=True)
+    if args.merge_rows is not None:
+        dora_config.SCALORA_MERGE_ROWS = args.merge_rows
+    print(f"[scalora_jax] eigensolver on GPUs: {args.eigh}, merge rows "
+          f"{dora_config.SCALORA_MERGE_ROWS}", flush=True)  # fmt: skip
     if args.one:
         rank, interval, steps = args.one
         row = measure(rank, interval, steps=steps, layers=args.layers, tiny=args.tiny,
                       own_process=True, sync_each_step=args.sync_each_step,
-                      trace_peak=args.trace_peak)  # fmt: skip
+                      trace_peak=args.trace_peak, phases=args.phases)  # fmt: skip
         print(json.dumps(row))
         return 0
     summary = _bench(args.out, args.ranks, layers=args.layers, tiny=args.tiny,
                      isolate=args.isolate, variants=args.variants,
-                     sync_each_step=args.sync_each_step, trace_peak=args.trace_peak)  # fmt: skip
+                     sync_each_step=args.sync_each_step, trace_peak=args.trace_peak,
+                     phases=args.phases)  # fmt: skip
     for row in summary:
         print(f"{row['metric']}: {row['value']:.3f}")
     return 0

@@ -83,6 +83,7 @@ def variant_rows(bench: str, rank: int, got: dict[str, dict]) -> list[dict]:
         row["peak_ratio"] = None if None in peaks else round(peaks[0] / peaks[1], 3)
         peak = "n/a" if peaks[0] is None else f"{peaks[0]:.3f} GiB ({row['peak_ratio']:.3f}×)"
         rises = f"; peak rose at step:GiB {row['peak_rises']}" if row.get("peak_rises") else ""
+        rises += f"; phases (ms) {row['phases_ms']}" if row.get("phases_ms") else ""
         print(f"[{bench}] r={rank} {name:<13} {row['step_mean_ms']:8.2f} ms "
               f"({row['time_ratio']:.3f}× LoRA), peak {peak}{rises}", flush=True)  # fmt: skip
         rows.append(row)

@@ -69,9 +69,25 @@ def scaled_mm(a: torch.Tensor, b: torch.Tensor, alpha: float, dtype: torch.dtype
     return out if out.dtype == dtype else out.to(dtype)
 
 
-@torch.library.custom_op("dora_torch::addmm_into", mutates_args=("out",))
-def _addmm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: float) -> None:
+# A mutating op for compiled graphs, defined with the low-level ``torch.library.Library``
+# rather than ``torch.library.custom_op``: the latter's Python wrapper costs ~20 µs of host
+# time per call against ~2 µs here (benchmarks/NOTES.md, session 12), paid once per adapted
+# layer and step in a compiled backward that is not CUDA-graphed.
+_LIB = torch.library.Library("dora_torch", "DEF")
+_LIB.define("addmm_into(Tensor(a!) out, Tensor a, Tensor b, float alpha) -> ()")
+
+
+def _addmm_into_impl(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: float) -> None:
     out.addmm_(a, b, alpha=alpha)
+
+
+def _addmm_into_fake(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: float) -> None:
+    return None
+
+
+_LIB.impl("addmm_into", _addmm_into_impl, "CompositeExplicitAutograd")
+torch.library.register_fake("dora_torch::addmm_into", _addmm_into_fake, lib=_LIB)
+_addmm_into = torch.ops.dora_torch.addmm_into.default
 
 
 def addmm_inplace(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: float):
