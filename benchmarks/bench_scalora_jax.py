@@ -209,12 +209,12 @@ def _isolated(
 
 def _bench(out_dir, ranks, *, layers: int = 8, tiny: bool = False, isolate: bool = False,
            variants=tuple(VARIANTS), sync_each_step: bool = False,
-           trace_peak: bool = False, phases: bool = False):  # fmt: skip
+           trace_peak: bool = False, phases: bool = False, steps: int | None = None):  # fmt: skip
     import jax
 
     rows, summary = [], []
     chosen = {n: i for n, i in VARIANTS.items() if n in variants or n == "lora"}  # LoRA: baseline
-    steps = max(20, *chosen.values())
+    steps = max(20, *chosen.values()) if steps is None else steps
     for rank in ranks:
         got = {}
         for name, interval in chosen.items():
@@ -261,6 +261,8 @@ def main(argv=None) -> int:
         action="store_true",
         help="wait after each phase of a step and report the phases' medians (phases_ms)",
     )
+    ap.add_argument("--steps", type=int, default=None,
+                    help="timed steps per variant (default max(20, largest I))")  # fmt: skip
     ap.add_argument("--merge-rows", type=int, default=None,
                     help="dora_jax.config.SCALORA_MERGE_ROWS for this run")  # fmt: skip
     ap.add_argument(
@@ -284,7 +286,7 @@ def main(argv=None) -> int:
     summary = _bench(args.out, args.ranks, layers=args.layers, tiny=args.tiny,
                      isolate=args.isolate, variants=args.variants,
                      sync_each_step=args.sync_each_step, trace_peak=args.trace_peak,
-                     phases=args.phases)  # fmt: skip
+                     phases=args.phases, steps=args.steps)  # fmt: skip
     for row in summary:
         print(f"{row['metric']}: {row['value']:.3f}")
     return 0
