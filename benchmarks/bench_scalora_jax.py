@@ -28,6 +28,11 @@ times include the waits. ``--trace-peak`` waits for every step too (warm-up incl
 records the device's peak after it; each row then lists the steps at which the peak rose
 (step 0 is the first warm-up step; ScaLoRA-I merges where step % I == 0), which says whether a
 variant's higher peak is set by a merge or by a later LoRA step (allocator history).
+``--phases`` waits after each phase of a step (gradient, ScaLoRA, update) and reports their
+medians; ``--one-jit`` runs each variant's whole step as one ``nnx.jit`` (LoRA's too), which
+removes the per-call host work of the three separately dispatched phases (``nnx.jit``'s and
+``scalora_step``'s walks of the model); ``--merge-rows`` sets
+``dora_jax.config.SCALORA_MERGE_ROWS``; ``--steps`` the number of timed steps.
 """
 
 from __future__ import annotations
@@ -47,8 +52,9 @@ from benchmarks.measure import write_csv
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # share the GPU with torch
 
-FIELDS = ["backend", "variant", "rank", "interval", "steps", "sync_each_step", "step_mean_ms",
-          "peak_gib", "time_ratio", "peak_ratio", "peak_rises", "phases_ms"]  # fmt: skip
+FIELDS = ["backend", "variant", "rank", "interval", "steps", "sync_each_step", "one_jit",
+          "step_mean_ms", "peak_gib", "time_ratio", "peak_ratio", "peak_rises",
+          "phases_ms"]  # fmt: skip
 GIB = 2.0**30
 LR, LR_TIMES_L = 1e-5, 1.0  # the cost does not depend on L·η (both branches are computed)
 
@@ -83,13 +89,16 @@ def measure(
     sync_each_step: bool = False,
     trace_peak: bool = False,
     phases: bool = False,
+    one_jit: bool = False,
 ) -> dict:
     """One variant over ``steps`` timed steps (default max(20, interval)). ``own_process``:
     nothing else ran in this process, so its device peak is this variant's even where the
     peak cannot be reset; otherwise such a peak is not reported (None). ``sync_each_step``:
     wait for each step's adapters before dispatching the next; ``trace_peak``: the same, and
     the steps at which the device peak rose (module docstring); ``phases``: wait after each
-    phase of a step (gradient, ScaLoRA, optimizer update) and report each phase's median."""
+    phase of a step (gradient, ScaLoRA, optimizer update) and report each phase's median;
+    ``one_jit``: the whole step (gradient, ``scalora_step`` with the optimizer's counter,
+    update) is one ``nnx.jit``, for LoRA too (no host work per phase; ``phases`` ignored)."""
     import jax
     import jax.numpy as jnp
     import optax
@@ -123,7 +132,18 @@ def measure(
             spent[name].append((time.perf_counter() - t0) * 1e3)
         return time.perf_counter()
 
+    @nnx.jit
+    def whole(model, opt, ids):
+        grads = nnx.grad(loss, argnums=diff)(model, ids)
+        if interval:
+            grads, _ = scalora_step(model, opt, grads, lr_times_L=LR_TIMES_L, interval=interval)
+        opt.update(model, grads)
+
     def step():
+        if one_jit:
+            whole(model, opt, ids)
+            count[0] += 1
+            return
         t = time.perf_counter()
         grads = grad(model, ids)
         t = phase("grad", t, grads)
@@ -174,7 +194,8 @@ def measure(
     if not (resettable or own_process):
         peak = None  # the process-wide peak would include the variants run before this one
     return {"backend": jax.default_backend(), "rank": rank, "interval": interval,
-            "steps": steps, "sync_each_step": sync_each_step, "step_mean_ms": round(ms, 2),
+            "steps": steps, "sync_each_step": sync_each_step, "one_jit": one_jit,
+            "step_mean_ms": round(ms, 2),
             "peak_gib": None if peak is None else round(peak / GIB, 3),
             "peak_rises": " ".join(f"{i}:{g}" for i, g in rises) or None,
             "phases_ms": " ".join(f"{k}:{statistics.median(v):.2f}" for k, v in spent.items()
@@ -191,6 +212,7 @@ def _isolated(
     sync_each_step: bool,
     trace_peak: bool,
     phases: bool,
+    one_jit: bool,
 ) -> dict:
     """``measure`` in a fresh Python process (its own device peak)."""
     from dora_jax import config as dora_config
@@ -199,7 +221,8 @@ def _isolated(
             str(interval), str(steps), "--layers", str(layers), "--eigh",
             dora_config.SCALORA_EIGH_ON_GPU] + (["--tiny"] if tiny else []) + (
             ["--sync-each-step"] if sync_each_step else []) + (
-            ["--trace-peak"] if trace_peak else []) + (["--phases"] if phases else []) + [
+            ["--trace-peak"] if trace_peak else []) + (["--phases"] if phases else []) + (
+            ["--one-jit"] if one_jit else []) + [
             "--merge-rows", str(dora_config.SCALORA_MERGE_ROWS)]  # fmt: skip
     done = subprocess.run(args, capture_output=True, text=True, check=False)
     if done.returncode != 0:
@@ -209,7 +232,8 @@ def _isolated(
 
 def _bench(out_dir, ranks, *, layers: int = 8, tiny: bool = False, isolate: bool = False,
            variants=tuple(VARIANTS), sync_each_step: bool = False,
-           trace_peak: bool = False, phases: bool = False, steps: int | None = None):  # fmt: skip
+           trace_peak: bool = False, phases: bool = False, steps: int | None = None,
+           one_jit: bool = False):  # fmt: skip
     import jax
 
     rows, summary = [], []
@@ -219,7 +243,7 @@ def _bench(out_dir, ranks, *, layers: int = 8, tiny: bool = False, isolate: bool
         got = {}
         for name, interval in chosen.items():
             kw = dict(steps=steps, layers=layers, tiny=tiny, sync_each_step=sync_each_step,
-                      trace_peak=trace_peak, phases=phases)  # fmt: skip
+                      trace_peak=trace_peak, phases=phases, one_jit=one_jit)  # fmt: skip
             if isolate:
                 got[name] = _isolated(rank, interval, **kw)
             else:
@@ -261,6 +285,8 @@ def main(argv=None) -> int:
         action="store_true",
         help="wait after each phase of a step and report the phases' medians (phases_ms)",
     )
+    ap.add_argument("--one-jit", action="store_true",
+                    help="the whole step (grad, scalora_step, update) in one nnx.jit")  # fmt: skip
     ap.add_argument("--steps", type=int, default=None,
                     help="timed steps per variant (default max(20, largest I))")  # fmt: skip
     ap.add_argument("--merge-rows", type=int, default=None,
@@ -280,13 +306,14 @@ def main(argv=None) -> int:
         rank, interval, steps = args.one
         row = measure(rank, interval, steps=steps, layers=args.layers, tiny=args.tiny,
                       own_process=True, sync_each_step=args.sync_each_step,
-                      trace_peak=args.trace_peak, phases=args.phases)  # fmt: skip
+                      trace_peak=args.trace_peak, phases=args.phases,
+                      one_jit=args.one_jit)  # fmt: skip
         print(json.dumps(row))
         return 0
     summary = _bench(args.out, args.ranks, layers=args.layers, tiny=args.tiny,
                      isolate=args.isolate, variants=args.variants,
                      sync_each_step=args.sync_each_step, trace_peak=args.trace_peak,
-                     phases=args.phases, steps=args.steps)  # fmt: skip
+                     phases=args.phases, steps=args.steps, one_jit=args.one_jit)  # fmt: skip
     for row in summary:
         print(f"{row['metric']}: {row['value']:.3f}")
     return 0

@@ -467,8 +467,24 @@ def find_layers(model) -> dict[str, LayerRef]:
 
     A standalone ``nnx.LoRA`` (no base module) has no kernel to merge into and raises.
     """
+    return _layers_of(nnx.iter_modules(model))
+
+
+def _scan(model) -> tuple[dict[str, LayerRef], dict[int, tuple]]:
+    """``find_layers(model)`` and the path of every Variable (by id), from one walk of the
+    graph: the walk is most of ``scalora_step``'s host time (benchmarks/NOTES.md, session 12)."""
+    modules, paths = [], {}
+    for path, node in nnx.iter_graph(model):
+        if isinstance(node, nnx.Variable):
+            paths.setdefault(id(node), path)
+        elif isinstance(node, nnx.Module):
+            modules.append((path, node))
+    return _layers_of(modules), paths
+
+
+def _layers_of(modules) -> dict[str, LayerRef]:
     layers, loras, inner = {}, {}, set()
-    for path, mod in nnx.iter_modules(model):
+    for path, mod in modules:
         key = "/".join(map(str, path))
         if isinstance(mod, DoraDense):
             if mod.merged:
@@ -533,23 +549,25 @@ def scalora_step(
     temp memory in a CPU compile of a 4-layer case). With the default
     ``step`` (the optimizer's counter, a device array) every call runs the jitted update,
     which skips on the device.
+
+    Each call walks the model's graph on the host (tens of ms for an 8-layer Llama with
+    ~1000 Variables), as ``nnx.jit`` does on every call. Where the host limits the step, put
+    the whole step (``nnx.grad``, this function with the default ``step``, the optimizer
+    update) under one ``nnx.jit``: it traces once, and a test checks that it equals the
+    dispatched calls.
     """
     host_step = isinstance(interval, int) and interval > 1 and type(step) is int
     if host_step and step % interval:
         return grads, {"applied": False, "layers": {}}
     if host_step:  # this step merges: the update itself, no lax.cond around it
         step, interval = None, 1
-    layers = find_layers(model)
+    layers, paths = _scan(model)
     if not layers:
         raise ValueError("model has no DoraDense, nnx.LoRALinear or nnx.LoRA(base_module) layer")
     if step is None and interval > 1:
         if optimizer is None:
             raise ValueError("step is required when interval > 1 and no optimizer is given")
         step = optimizer.step.get_value()
-    paths = {}
-    for path, node in nnx.iter_graph(model):
-        if isinstance(node, nnx.Variable):
-            paths.setdefault(id(node), path)
     gflat = _flat(grads)
 
     def grad_of(var, key):

@@ -421,6 +421,39 @@ def test_nnx_step_skips_on_the_host_between_merges(x64):
     assert kernel.is_deleted()  # the merge donated the old kernel
 
 
+@pytest.mark.parametrize("interval", [1, 2])
+def test_nnx_step_inside_one_nnx_jit_equals_the_dispatched_step(x64, interval):
+    """The whole training step (grad, scalora_step, optimizer update) under one ``nnx.jit``
+    (what removes scalora_step's per-call host walk of the model) equals the same calls
+    dispatched one by one, for every step and for ScaLoRA-I with the optimizer's counter."""
+
+    def build():
+        model = nnx.eval_shape(lambda: _Model(nnx.Rngs(0)))
+        rng = np.random.default_rng(2)
+        _randomize([v for _, v in nnx.iter_graph(model) if isinstance(v, nnx.Param)], rng)
+        _randomize([model.dora.magnitude], rng, positive=True)
+        return model, nnx.Optimizer(model, optax.adamw(1e-2), wrt=nnx.LoRAParam)
+
+    def step(model, opt, x, y):
+        grads = nnx.grad(_loss, argnums=_DIFF)(model, x, y)
+        grads, info = SC.scalora_step(model, opt, grads, lr_times_L=ETA_L, interval=interval)
+        opt.update(model, grads)
+        return info["applied"]
+
+    rng = np.random.default_rng(3)
+    x, y = jnp.asarray(rng.standard_normal((5, 6))), jnp.asarray(rng.standard_normal((5, 3)))
+    (m1, o1), (m2, o2) = build(), build()
+    jitted = nnx.jit(step)
+    applied = []
+    for _ in range(3):
+        applied.append(bool(jitted(m1, o1, x, y)))
+        assert bool(step(m2, o2, x, y)) == applied[-1]
+        for a, b in zip(jax.tree.leaves(nnx.state(m1)), jax.tree.leaves(nnx.state(m2))):
+            _close(a, b, 1e-12)
+    assert applied == ([True] * 3 if interval == 1 else [True, False, True])
+    assert not np.allclose(m1.dora.kernel.get_value(), build()[0].dora.kernel.get_value())
+
+
 def test_gpu_eigensolver_is_the_batched_qr_one_at_every_rank(monkeypatch):
     """JAX would pick cuSOLVER's Jacobi solver for 2r ≤ 32 on GPUs (the suspected cause of
     the r = 8 every-step cost); the systems ask for the QR-based one there, and for JAX's
