@@ -18,7 +18,8 @@ Providers (same run, same inputs):
 
 Environment: ``TORCH_LAYER_SHAPES`` (e.g. ``4096x4096_r16_t512``, comma-separated) and
 ``TORCH_LAYER_PROVIDERS`` restrict the layer rows; ``TORCH_LAYER_SWEEPS=0`` skips the kernel
-sweeps and the bandwidth / norm-transient extras after them.
+sweeps and the bandwidth / norm-transient extras after them, and a comma-separated list
+(``gemm_configs``, ``reduce_configs``, ``assembly_configs``) runs only those sweeps.
 
 Modes: ``inference`` (no grad, eval; ours reuses its cached norm — weights unchanged) and
 ``fwd_bwd`` (y.backward(dy); ours' norm is invalidated before every call, i.e. the worst case
@@ -317,9 +318,15 @@ def _gemm_configs() -> list[dict]:
     return rows
 
 
-def _reduce_configs(T=4096, N=8192) -> list[dict]:
+# (tokens, d_out) of the reduce sweep: the headline layer, then batch 1 × 2048 of the Llama-8B
+# projections' widths (k/v, q/o/down, gate/up), where the model step's passes run.
+REDUCE_SHAPES = ((4096, 8192), (2048, 1024), (2048, 4096), (2048, 14336))
+
+
+def _reduce_configs(N=8192) -> list[dict]:
     """Time the backward scale-and-reduce pass for every candidate in
-    ``config.BWD_CANDIDATES`` (bandwidth: reads dy and y, writes dy_g), next to a copy; and
+    ``config.BWD_CANDIDATES`` on each of ``REDUCE_SHAPES`` (bandwidth: reads dy and y,
+    writes dy_g; recovering inner from y, as for a layer without bias), next to a copy; and
     the detached norm of the headline layer (time of ``factored_norm`` and of its assembly
     kernel alone), to account for the fwd+bwd overhead over LoRA."""
     import triton.testing
@@ -327,28 +334,32 @@ def _reduce_configs(T=4096, N=8192) -> list[dict]:
     from dora_torch import config, factored_norm
     from dora_torch.kernels.backward import scale_reduce
 
-    torch.manual_seed(0)
-    dy = torch.randn(T, N, device="cuda", dtype=DT)
-    y = torch.randn_like(dy)
-    m = torch.rand(N, device="cuda") + 0.5
-    n = torch.rand(N, device="cuda") + 0.5
-    nbytes = dy.numel() * dy.element_size()
-
     def bench(f):
         return triton.testing.do_bench(f, warmup=WARMUP_MS, rep=REP_MS, return_mode="median")
 
-    copy_ms = bench(lambda: y.copy_(dy))
-    rows = [{"what": "copy", "ms": copy_ms, "GBps": 2 * nbytes / (copy_ms * 1e-3) / 1e9}]
-    for i, cand in enumerate(config.BWD_CANDIDATES):
-        ms = bench(
-            lambda cand=cand: scale_reduce(
-                dy, y, m, n, recover=False, dropout=False, need_dbias=False, reduce_config=cand
-            )
-        )
-        rows.append(
-            {"what": f"scale_reduce candidate {i}", **vars(cand), "ms": ms,
-             "GBps": 3 * nbytes / (ms * 1e-3) / 1e9, "chosen": cand == config.BWD}
-        )  # fmt: skip
+    torch.manual_seed(0)
+    rows = []
+    for T, width in REDUCE_SHAPES:
+        dy = torch.randn(T, width, device="cuda", dtype=DT)
+        y = torch.randn_like(dy)
+        m = torch.rand(width, device="cuda") + 0.5
+        n = torch.rand(width, device="cuda") + 0.5
+        nbytes = dy.numel() * dy.element_size()
+        copy_ms = bench(lambda y=y, dy=dy: y.copy_(dy))
+        shape = {"T": T, "N": width}
+        rows.append({"what": "copy", **shape, "ms": copy_ms,
+                     "GBps": 2 * nbytes / (copy_ms * 1e-3) / 1e9})  # fmt: skip
+        for i, cand in enumerate(config.BWD_CANDIDATES):
+            ms = bench(
+                lambda cand=cand, dy=dy, y=y, m=m, n=n: scale_reduce(
+                    dy, y, m, n, recover=True, dropout=False, need_dbias=False,
+                    x=dy, weight=dy, h=dy, lora_B=dy, reduce_config=cand,
+                )
+            )  # fmt: skip
+            rows.append(
+                {"what": f"scale_reduce candidate {i}", **shape, **vars(cand), "ms": ms,
+                 "GBps": 3 * nbytes / (ms * 1e-3) / 1e9, "chosen": cand == config.BWD}
+            )  # fmt: skip
     W = torch.randn(N, N, device="cuda", dtype=DT) / N**0.5
     A = torch.randn(384, N, device="cuda") / N**0.5
     B = torch.randn(N, 384, device="cuda") * 0.01
@@ -500,13 +511,16 @@ def run(out_dir: pathlib.Path) -> list[dict]:
                 gc.collect()
                 torch.cuda.empty_cache()
     write_csv(out_dir / "torch_layer.csv", rows)
-    if os.environ.get("TORCH_LAYER_SWEEPS", "1") == "0":
+    sweeps = os.environ.get("TORCH_LAYER_SWEEPS", "1")
+    if sweeps == "0":
         return _summary(rows, {})
     for name, fn in (
         ("gemm_configs", _gemm_configs),
         ("reduce_configs", _reduce_configs),
         ("assembly_configs", _assembly_configs),
     ):
+        if sweeps != "1" and name not in sweeps.split(","):
+            continue
         try:
             write_csv(out_dir / f"torch_layer_{name}.csv", fn())
         except Exception:
