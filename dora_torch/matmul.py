@@ -71,7 +71,7 @@ def scaled_mm(a: torch.Tensor, b: torch.Tensor, alpha: float, dtype: torch.dtype
 
 # A mutating op for compiled graphs, defined with the low-level ``torch.library.Library``
 # rather than ``torch.library.custom_op``: the latter's Python wrapper costs ~20 µs of host
-# time per call against ~2 µs here (benchmarks/NOTES.md, session 12), paid once per adapted
+# time per call against ~5 µs here (benchmarks/NOTES.md, session 12), paid once per adapted
 # layer and step in a compiled backward that is not CUDA-graphed.
 _LIB = torch.library.Library("dora_torch", "DEF")
 _LIB.define("addmm_into(Tensor(a!) out, Tensor a, Tensor b, float alpha) -> ()")
