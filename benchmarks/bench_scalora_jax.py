@@ -126,9 +126,11 @@ def measure(
     count = [0]  # the training loop's step counter (a Python int: see scalora_step)
     spent = {"grad": [], "scalora": [], "update": []}
 
-    def phase(name, t0, out):
+    def phase(name, t0, outputs):
+        """With ``phases``: wait for ``outputs()`` and record the phase's time (the callable
+        keeps the wait's host work, e.g. ``nnx.state``, out of steps timed without it)."""
         if phases:
-            jax.block_until_ready(out)
+            jax.block_until_ready(outputs())
             spent[name].append((time.perf_counter() - t0) * 1e3)
         return time.perf_counter()
 
@@ -146,14 +148,14 @@ def measure(
             return
         t = time.perf_counter()
         grads = grad(model, ids)
-        t = phase("grad", t, grads)
+        t = phase("grad", t, lambda: grads)
         if interval:
             grads, _ = scalora_step(
                 model, opt, grads, lr_times_L=LR_TIMES_L, step=count[0], interval=interval
             )
-            t = phase("scalora", t, (grads, nnx.state(model)))
+            t = phase("scalora", t, lambda: (grads, nnx.state(model)))
         update(model, opt, grads)
-        phase("update", t, nnx.state(model, nnx.LoRAParam))
+        phase("update", t, lambda: nnx.state(model, nnx.LoRAParam))
         count[0] += 1
 
     def ready():

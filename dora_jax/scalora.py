@@ -472,7 +472,8 @@ def find_layers(model) -> dict[str, LayerRef]:
 
 def _scan(model) -> tuple[dict[str, LayerRef], dict[int, tuple]]:
     """``find_layers(model)`` and the path of every Variable (by id), from one walk of the
-    graph: the walk is most of ``scalora_step``'s host time (benchmarks/NOTES.md, session 12)."""
+    graph: the walks were about half of ``scalora_step``'s host time (benchmarks/NOTES.md,
+    session 12)."""
     modules, paths = [], {}
     for path, node in nnx.iter_graph(model):
         if isinstance(node, nnx.Variable):

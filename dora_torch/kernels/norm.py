@@ -217,9 +217,10 @@ def _round_bf16(x):
 
 
 @triton.jit
-def _split_bf16_kernel(x_ptr, out_ptr, numel, cols, BLOCK: tl.constexpr):
+def _split_bf16_kernel(x_ptr, out_ptr, numel, cols, STACKED: tl.constexpr, BLOCK: tl.constexpr):
     """out[i, :cols] = hi = bf16(x[i]), out[i, cols:] = bf16(x[i] − hi), both rounded to
-    nearest even, for a contiguous x [rows, cols] and out [rows, 2·cols]."""
+    nearest even, for a contiguous x [rows, cols] and out [rows, 2·cols]; ``STACKED``: out is
+    [2·rows, 2·cols] and its rows below ``rows`` are [hi | 0]."""
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = i < numel
     x = tl.load(x_ptr + i, mask=mask, other=0.0).to(tl.float32)
@@ -228,24 +229,30 @@ def _split_bf16_kernel(x_ptr, out_ptr, numel, cols, BLOCK: tl.constexpr):
     at = out_ptr + (i // cols) * (2 * cols) + i % cols
     tl.store(at, hi.to(tl.bfloat16), mask=mask)  # exact casts: both are bf16 values already
     tl.store(at + cols, lo.to(tl.bfloat16), mask=mask)
+    if STACKED:
+        below = at + numel * 2  # numel · 2 = rows · 2·cols
+        tl.store(below, hi.to(tl.bfloat16), mask=mask)
+        tl.store(below + cols, tl.zeros_like(lo).to(tl.bfloat16), mask=mask)
 
 
 _launch_split_bf16 = Launcher(_split_bf16_kernel)
 
 
-def split_bf16(x: torch.Tensor) -> torch.Tensor:
+def split_bf16(x: torch.Tensor, *, stacked: bool = False) -> torch.Tensor:
     """[hi | lo]: x [rows, cols] as one bf16 [rows, 2·cols] tensor, x = hi + lo to 2⁻¹⁶
-    relative (lo = 0 for a bf16 x); one launch. A Triton kernel, not torch ops: Inductor may
-    keep a fused ``x.to(bf16)`` unrounded in fp32 (``emulate_precision_casts`` off), and lo
-    would then vanish in compiled graphs."""
+    relative (lo = 0 for a bf16 x); ``stacked``: [[hi, lo], [hi, 0]], [2·rows, 2·cols] (the
+    right operand of ``bg_bf16x3`` for a B that is split too). One launch. A Triton kernel,
+    not torch ops: Inductor may keep a fused ``x.to(bf16)`` unrounded in fp32
+    (``emulate_precision_casts`` off), and lo would then vanish in compiled graphs."""
     check_launchable(x)
     x = x.contiguous()
     rows, cols = x.shape
-    out = torch.empty(rows, 2 * cols, dtype=torch.bfloat16, device=x.device)
+    out_rows = 2 * rows if stacked else rows
+    out = torch.empty(out_rows, 2 * cols, dtype=torch.bfloat16, device=x.device)
     if x.numel():
         block = config.SPLIT_BF16_BLOCK
         grid = (cdiv(x.numel(), block),)
-        _launch_split_bf16(grid, x, out, x.numel(), cols, BLOCK=block, num_warps=4)
+        _launch_split_bf16(grid, x, out, x.numel(), cols, STACKED=stacked, BLOCK=block, num_warps=4)
     return out
 
 
@@ -253,13 +260,10 @@ def bg_bf16x3(lora_B: torch.Tensor, G: torch.Tensor) -> torch.Tensor:
     """[B_hi | B_lo]·[[G_hi, G_lo], [G_hi, 0]] as [rows, 2r] fp32 (module docstring): bf16
     products accumulated in fp32 (cuBLAS on CUDA; fp32 arithmetic on exact bf16 values
     elsewhere, the same sums)."""
-    rhs = split_bf16(G)
     if lora_B.dtype == torch.bfloat16:
-        lhs = lora_B
+        lhs, rhs = lora_B, split_bf16(G)
     else:
-        r = G.shape[0]
-        lhs = split_bf16(lora_B)
-        rhs = torch.cat([rhs, torch.nn.functional.pad(rhs[:, :r], (0, r))])
+        lhs, rhs = split_bf16(lora_B), split_bf16(G, stacked=True)
     if lhs.is_cuda:
         return mm_out(lhs, rhs, torch.float32)
     return lhs.float() @ rhs.float()

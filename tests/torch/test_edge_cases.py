@@ -118,6 +118,10 @@ def test_split_bf16_rounds_like_torch():
     assert torch.equal(pair[:, :100], x.bfloat16())
     assert torch.equal(pair[:, 100:], (x - x.bfloat16().float()).bfloat16())
     assert split_bf16(x[:0]).shape == (0, 200)
+    stacked = split_bf16(x, stacked=True)  # [[hi, lo], [hi, 0]]
+    assert stacked.shape == (6, 200)
+    assert torch.equal(stacked[:3], pair) and torch.equal(stacked[3:, :100], pair[:, :100])
+    assert not stacked[3:, 100:].any()
 
 
 @pytest.mark.parametrize("r", [1, 6, 40])
