@@ -116,6 +116,10 @@ class ReduceConfig:
     block_n: int  # columns per program
     num_warps: int
     rows_per_program: int  # tokens each program reduces; partials are [cdiv(T, this), d_out]
+    #: When > 0, fewer tokens per program (down to block_m) until the grid has at least this
+    #: many programs: a narrow layer (d_out = 1024: 8 column blocks) otherwise leaves most of
+    #: the GPU's SMs idle at batch 1 (132 on an H100 / H200).
+    min_programs: int = 0
 
 
 #: The default first; ``benchmarks/bench_torch_layer.py`` times each at 4096 × 8192
@@ -131,6 +135,11 @@ BWD_CANDIDATES = (
     ReduceConfig(64, 128, 8, 256),
     ReduceConfig(32, 256, 8, 512),
     ReduceConfig(64, 256, 8, 512),
+    ReduceConfig(32, 128, 4, 256, min_programs=264),
+    ReduceConfig(32, 128, 4, 256, min_programs=528),
+    ReduceConfig(32, 128, 4, 256, min_programs=1056),
+    ReduceConfig(16, 128, 4, 256, min_programs=528),
+    ReduceConfig(32, 256, 8, 256, min_programs=528),
 )
 BWD = BWD_CANDIDATES[0]
 #: Contraction blocks of the zero-magnitude recompute (x W_colsᵀ over d_in, h B_colsᵀ over r).

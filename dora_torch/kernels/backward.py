@@ -174,6 +174,16 @@ def _scale_reduce_kernel(
 _launch_scale_reduce = Launcher(_scale_reduce_kernel)
 
 
+def rows_for_programs(M: int, col_blocks: int, block_m: int, min_programs: int) -> int:
+    """The most tokens per program, a multiple of block_m, for which the grid
+    cdiv(M, rows) × col_blocks still holds ``min_programs`` programs; block_m when none does.
+    (cdiv(M, rows) ≥ parts ⟺ rows ≤ (M − 1) // (parts − 1).)"""
+    parts = cdiv(min_programs, col_blocks)
+    if parts <= 1:
+        return cdiv(M, block_m) * block_m
+    return max(block_m, (M - 1) // (parts - 1) // block_m * block_m)
+
+
 def scale_reduce(
     dy: torch.Tensor,
     saved: torch.Tensor,
@@ -219,6 +229,8 @@ def scale_reduce(
     bm = config.interp_small(cfg.block_m)
     bn = config.interp_small(cfg.block_n, 32)
     rpp = max(bm, config.interp_small(cfg.rows_per_program, 64))
+    if cfg.min_programs > 0:
+        rpp = min(rpp, rows_for_programs(M, cdiv(N, bn), bm, cfg.min_programs))
     if M <= rpp:
         rpp = cdiv(M, bm) * bm  # one token chunk: no partial sums to add up (saves a launch)
     parts = cdiv(M, rpp)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -541,20 +543,29 @@ def test_one_pass_norm_kernel_is_not_used_where_it_does_not_apply(monkeypatch):
     assert not norm_pass_applies(W, 4)
 
 
-def test_scale_reduce_token_chunks(monkeypatch):
-    """The backward pass over dy reduces tokens in chunks of ``rows_per_program`` (64 under
-    the interpreter: 4 chunks of 200 tokens) and the partial sums add up: dm = Σ_t dy ⊙ inner
-    / n and dbias = Σ_t dy against float64, dy_g = (m / n) ⊙ dy exact to rounding."""
+@pytest.mark.parametrize(
+    "min_programs, chunks",
+    # 64 tokens per program under the interpreter: 4 chunks of 200 tokens; asking for 20
+    # programs over 2 column blocks shrinks them to 16 tokens (block_m): 13 chunks.
+    [(0, 4), (20, 13)],
+)
+def test_scale_reduce_token_chunks(monkeypatch, min_programs, chunks):
+    """The backward pass over dy reduces tokens in chunks of ``rows_per_program``, fewer when
+    the config asks for a minimum number of programs, and the partial sums add up:
+    dm = Σ_t dy ⊙ inner / n and dbias = Σ_t dy against float64, dy_g = (m / n) ⊙ dy exact to
+    rounding."""
+    from dora_torch import config
     from dora_torch.kernels import backward
 
     grids = _record_grids(monkeypatch, backward, "_launch_scale_reduce")
     g = torch.Generator().manual_seed(3)
     dy, inner = torch.randn(200, 40, generator=g), torch.randn(200, 40, generator=g)
     m, n = torch.rand(40, generator=g) + 0.5, torch.rand(40, generator=g) + 0.5
+    cfg = dataclasses.replace(config.BWD, min_programs=min_programs)
     dyg, _, dm, dbias = backward.scale_reduce(
-        dy, inner, m, n, recover=False, dropout=False, need_dbias=True
+        dy, inner, m, n, recover=False, dropout=False, need_dbias=True, reduce_config=cfg
     )
-    assert grids == [(4, 2)]  # token chunks × column blocks of 32
+    assert grids == [(chunks, 2)]  # token chunks × column blocks of 32
     terms, n64 = dy.double() * inner.double(), n.double()
     eps = torch.finfo(torch.float32).eps
     # fp32 summation over 200 tokens: |error| ≤ 200·eps·Σ|terms| (a loose, order-free bound)
@@ -563,3 +574,26 @@ def test_scale_reduce_token_chunks(monkeypatch):
     db_err = (dbias.double() - dy.double().sum(0)).abs()
     assert (db_err <= 200 * eps * dy.double().abs().sum(0)).all()
     torch.testing.assert_close(dyg, (m / n) * dy)
+
+
+@pytest.mark.parametrize(
+    "M, col_blocks, min_programs, rows",
+    [
+        (2048, 8, 528, 16),  # d_out 1024: 66 parts wanted; 32 tokens would give 64
+        (2048, 32, 528, 112),  # d_out 4096: 17 parts wanted; 128 tokens would give 16
+        (2048, 112, 528, 496),  # d_out 14336: 5 parts; the caller's own cap (256) applies
+        (2048, 600, 528, 2048),  # enough column blocks: one part
+        (100, 1, 10_000, 16),  # never below block_m
+    ],
+)
+def test_rows_for_programs(M, col_blocks, min_programs, rows):
+    """The grid cdiv(M, rows) × col_blocks reaches min_programs with the most rows per
+    program that are a multiple of block_m (16 here), or block_m when nothing does."""
+    from dora_torch.kernels.backward import rows_for_programs
+
+    got = rows_for_programs(M, col_blocks, 16, min_programs)
+    assert got == rows
+    assert got % 16 == 0 and got >= 16
+    if got > 16:
+        assert -(-M // got) * col_blocks >= min_programs
+        assert got >= M or -(-M // (got + 16)) * col_blocks < min_programs
