@@ -31,7 +31,9 @@ variant's higher peak is set by a merge or by a later LoRA step (allocator histo
 ``--phases`` waits after each phase of a step (gradient, ScaLoRA, update) and reports their
 medians; ``--one-jit`` runs each variant's whole step as one ``nnx.jit`` (LoRA's too), which
 removes the per-call host work of the three separately dispatched phases (``nnx.jit``'s and
-``scalora_step``'s walks of the model); ``--merge-rows`` sets
+``scalora_step``'s walks of the model), donates the model and the optimizer, and lets the host
+pick ScaLoRA-I's merge steps through a static flag (two compiled programs) unless
+``--device-counter`` asks for the optimizer's counter and a ``lax.cond``; ``--merge-rows`` sets
 ``dora_jax.config.SCALORA_MERGE_ROWS``; ``--steps`` the number of timed steps.
 """
 
@@ -53,6 +55,7 @@ from benchmarks.measure import write_csv
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # share the GPU with torch
 
 FIELDS = ["backend", "variant", "rank", "interval", "steps", "sync_each_step", "one_jit",
+          "device_counter",
           "step_mean_ms", "peak_gib", "time_ratio", "peak_ratio", "peak_rises",
           "phases_ms"]  # fmt: skip
 GIB = 2.0**30
@@ -90,6 +93,7 @@ def measure(
     trace_peak: bool = False,
     phases: bool = False,
     one_jit: bool = False,
+    device_counter: bool = False,
 ) -> dict:
     """One variant over ``steps`` timed steps (default max(20, interval)). ``own_process``:
     nothing else ran in this process, so its device peak is this variant's even where the
@@ -97,8 +101,10 @@ def measure(
     wait for each step's adapters before dispatching the next; ``trace_peak``: the same, and
     the steps at which the device peak rose (module docstring); ``phases``: wait after each
     phase of a step (gradient, ScaLoRA, optimizer update) and report each phase's median;
-    ``one_jit``: the whole step (gradient, ``scalora_step`` with the optimizer's counter,
-    update) is one ``nnx.jit``, for LoRA too (no host work per phase; ``phases`` ignored)."""
+    ``one_jit``: the whole step (gradient, ``scalora_step``, update) is one ``nnx.jit``, for
+    LoRA too (no host work per phase; ``phases`` ignored), ScaLoRA-I's merge steps chosen by
+    the host through a static flag, or with ``device_counter`` by the optimizer's counter on
+    the device (``lax.cond``)."""
     import jax
     import jax.numpy as jnp
     import optax
@@ -134,16 +140,21 @@ def measure(
             spent[name].append((time.perf_counter() - t0) * 1e3)
         return time.perf_counter()
 
-    @nnx.jit
-    def whole(model, opt, ids):
+    # As the README shows: the model and optimizer donated (kernels merged in place), and
+    # ScaLoRA-I decided by the host (a static flag: a merge program and LoRA's own program)
+    # unless ``device_counter`` asks for the optimizer's counter and a lax.cond.
+    @nnx.jit(donate_argnums=(0, 1), static_argnames="merge")
+    def whole(model, opt, ids, merge):
         grads = nnx.grad(loss, argnums=diff)(model, ids)
-        if interval:
+        if device_counter and interval:
             grads, _ = scalora_step(model, opt, grads, lr_times_L=LR_TIMES_L, interval=interval)
+        elif merge:
+            grads, _ = scalora_step(model, opt, grads, lr_times_L=LR_TIMES_L)
         opt.update(model, grads)
 
     def step():
         if one_jit:
-            whole(model, opt, ids)
+            whole(model, opt, ids, merge=bool(interval) and count[0] % interval == 0)
             count[0] += 1
             return
         t = time.perf_counter()
@@ -197,6 +208,7 @@ def measure(
         peak = None  # the process-wide peak would include the variants run before this one
     return {"backend": jax.default_backend(), "rank": rank, "interval": interval,
             "steps": steps, "sync_each_step": sync_each_step, "one_jit": one_jit,
+            "device_counter": device_counter,
             "step_mean_ms": round(ms, 2),
             "peak_gib": None if peak is None else round(peak / GIB, 3),
             "peak_rises": " ".join(f"{i}:{g}" for i, g in rises) or None,
@@ -215,6 +227,7 @@ def _isolated(
     trace_peak: bool,
     phases: bool,
     one_jit: bool,
+    device_counter: bool,
 ) -> dict:
     """``measure`` in a fresh Python process (its own device peak)."""
     from dora_jax import config as dora_config
@@ -224,7 +237,8 @@ def _isolated(
             dora_config.SCALORA_EIGH_ON_GPU] + (["--tiny"] if tiny else []) + (
             ["--sync-each-step"] if sync_each_step else []) + (
             ["--trace-peak"] if trace_peak else []) + (["--phases"] if phases else []) + (
-            ["--one-jit"] if one_jit else []) + [
+            ["--one-jit"] if one_jit else []) + (
+            ["--device-counter"] if device_counter else []) + [
             "--merge-rows", str(dora_config.SCALORA_MERGE_ROWS)]  # fmt: skip
     done = subprocess.run(args, capture_output=True, text=True, check=False)
     if done.returncode != 0:
@@ -235,7 +249,7 @@ def _isolated(
 def _bench(out_dir, ranks, *, layers: int = 8, tiny: bool = False, isolate: bool = False,
            variants=tuple(VARIANTS), sync_each_step: bool = False,
            trace_peak: bool = False, phases: bool = False, steps: int | None = None,
-           one_jit: bool = False):  # fmt: skip
+           one_jit: bool = False, device_counter: bool = False):  # fmt: skip
     import jax
 
     rows, summary = [], []
@@ -245,7 +259,8 @@ def _bench(out_dir, ranks, *, layers: int = 8, tiny: bool = False, isolate: bool
         got = {}
         for name, interval in chosen.items():
             kw = dict(steps=steps, layers=layers, tiny=tiny, sync_each_step=sync_each_step,
-                      trace_peak=trace_peak, phases=phases, one_jit=one_jit)  # fmt: skip
+                      trace_peak=trace_peak, phases=phases, one_jit=one_jit,
+                      device_counter=device_counter)  # fmt: skip
             if isolate:
                 got[name] = _isolated(rank, interval, **kw)
             else:
@@ -289,6 +304,8 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--one-jit", action="store_true",
                     help="the whole step (grad, scalora_step, update) in one nnx.jit")  # fmt: skip
+    ap.add_argument("--device-counter", action="store_true",
+                    help="with --one-jit: ScaLoRA-I decided on the device (lax.cond)")  # fmt: skip
     ap.add_argument("--steps", type=int, default=None,
                     help="timed steps per variant (default max(20, largest I))")  # fmt: skip
     ap.add_argument("--merge-rows", type=int, default=None,
@@ -309,13 +326,14 @@ def main(argv=None) -> int:
         row = measure(rank, interval, steps=steps, layers=args.layers, tiny=args.tiny,
                       own_process=True, sync_each_step=args.sync_each_step,
                       trace_peak=args.trace_peak, phases=args.phases,
-                      one_jit=args.one_jit)  # fmt: skip
+                      one_jit=args.one_jit, device_counter=args.device_counter)  # fmt: skip
         print(json.dumps(row))
         return 0
     summary = _bench(args.out, args.ranks, layers=args.layers, tiny=args.tiny,
                      isolate=args.isolate, variants=args.variants,
                      sync_each_step=args.sync_each_step, trace_peak=args.trace_peak,
-                     phases=args.phases, steps=args.steps, one_jit=args.one_jit)  # fmt: skip
+                     phases=args.phases, steps=args.steps, one_jit=args.one_jit,
+                     device_counter=args.device_counter)  # fmt: skip
     for row in summary:
         print(f"{row['metric']}: {row['value']:.3f}")
     return 0

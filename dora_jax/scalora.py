@@ -554,8 +554,15 @@ def scalora_step(
     Each call walks the model's graph on the host (tens of ms for an 8-layer Llama with
     ~1000 Variables), as ``nnx.jit`` does on every call. Where the host limits the step, put
     the whole step (``nnx.grad``, this function with the default ``step``, the optimizer
-    update) under one ``nnx.jit``: it traces once, and a test checks that it equals the
-    dispatched calls.
+    update) under one ``nnx.jit(..., donate_argnums=...)`` that donates the model and the
+    optimizer: it traces once, and a test checks that it equals the dispatched calls. (The
+    inner donation does nothing inside an outer jit: without the outer one, the jitted step
+    holds the old and the merged kernels at once.) For ScaLoRA-I in one jit, let the host
+    choose: a static ``merge`` argument of the jitted step that calls this function (with
+    the default interval) only when true compiles two programs, and steps between merges
+    run LoRA's own program. The default ``step`` with ``interval > 1`` instead branches on
+    the device (``lax.cond``), which a GPU runtime may execute by reading the predicate back
+    to the host mid-step (benchmarks/README.md, "ScaLoRA's cost, JAX").
     """
     host_step = isinstance(interval, int) and interval > 1 and type(step) is int
     if host_step and step % interval:

@@ -421,11 +421,14 @@ def test_nnx_step_skips_on_the_host_between_merges(x64):
     assert kernel.is_deleted()  # the merge donated the old kernel
 
 
-@pytest.mark.parametrize("interval", [1, 2])
-def test_nnx_step_inside_one_nnx_jit_equals_the_dispatched_step(x64, interval):
+@pytest.mark.parametrize("form", ["every_step", "device_counter", "static_flag"])
+def test_nnx_step_inside_one_nnx_jit_equals_the_dispatched_step(x64, form):
     """The whole training step (grad, scalora_step, optimizer update) under one ``nnx.jit``
     (what removes scalora_step's per-call host walk of the model) equals the same calls
-    dispatched one by one, for every step and for ScaLoRA-I with the optimizer's counter."""
+    dispatched one by one with the loop's counter as a Python int: every step, and ScaLoRA-I
+    (I = 2) decided on the device (the optimizer's counter, a ``lax.cond``) or by the host
+    (a static ``merge`` flag: two compiled programs, no branch on the device)."""
+    interval = 1 if form == "every_step" else 2
 
     def build():
         model = nnx.eval_shape(lambda: _Model(nnx.Rngs(0)))
@@ -434,20 +437,38 @@ def test_nnx_step_inside_one_nnx_jit_equals_the_dispatched_step(x64, interval):
         _randomize([model.dora.magnitude], rng, positive=True)
         return model, nnx.Optimizer(model, optax.adamw(1e-2), wrt=nnx.LoRAParam)
 
-    def step(model, opt, x, y):
+    def step(model, opt, x, y, merge):
         grads = nnx.grad(_loss, argnums=_DIFF)(model, x, y)
-        grads, info = SC.scalora_step(model, opt, grads, lr_times_L=ETA_L, interval=interval)
+        if form == "static_flag":
+            if merge:
+                grads, _ = SC.scalora_step(model, opt, grads, lr_times_L=ETA_L)
+            applied = jnp.asarray(merge)
+        else:
+            grads, info = SC.scalora_step(model, opt, grads, lr_times_L=ETA_L, interval=interval)
+            applied = info["applied"]
         opt.update(model, grads)
-        return info["applied"]
+        return applied
+
+    def dispatched(model, opt, x, y, i):
+        grads = nnx.jit(nnx.grad(_loss, argnums=_DIFF))(model, x, y)
+        grads, info = SC.scalora_step(
+            model, opt, grads, lr_times_L=ETA_L, step=i, interval=interval
+        )
+        nnx.jit(lambda m, o, g: o.update(m, g))(model, opt, grads)
+        return bool(info["applied"])
 
     rng = np.random.default_rng(3)
     x, y = jnp.asarray(rng.standard_normal((5, 6))), jnp.asarray(rng.standard_normal((5, 3)))
     (m1, o1), (m2, o2) = build(), build()
-    jitted = nnx.jit(step)
+    # Donated as the docs show: the merge then writes the kernels in place (without it the
+    # step holds the old and the merged kernels at once).
+    jitted = nnx.jit(step, donate_argnums=(0, 1), static_argnames="merge")
     applied = []
-    for _ in range(3):
-        applied.append(bool(jitted(m1, o1, x, y)))
-        assert bool(step(m2, o2, x, y)) == applied[-1]
+    for i in range(3):
+        kernel = m1.dora.kernel.get_value()
+        applied.append(bool(jitted(m1, o1, x, y, merge=i % interval == 0)))
+        assert kernel.is_deleted()
+        assert dispatched(m2, o2, x, y, i) == applied[-1]
         for a, b in zip(jax.tree.leaves(nnx.state(m1)), jax.tree.leaves(nnx.state(m2))):
             _close(a, b, 1e-12)
     assert applied == ([True] * 3 if interval == 1 else [True, False, True])
