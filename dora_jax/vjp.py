@@ -213,11 +213,7 @@ def _bwd(opts: Options, packed, dy):
     if pb or exact:
         db = s * p * g[None, :]
     if pa or need_dx_in:
-        # Rounded to cd by the dot itself, then scaled by the exact s in acc and rounded again
-        # (s rounded to cd would bias every entry alike): a dot of dy_g with the same output
-        # type as dy_g·Kᵀ lets XLA merge the two into one pass over dy_g, as it does for
-        # LoRA's (benchmarks/NOTES.md, session 12).
-        q = (lax.dot_general(dy_g, b_c, _CONTRACT_1).astype(acc) * s).astype(cd)
+        q = (s * lax.dot_general(dy_g, b_c, _CONTRACT_1, preferred_element_type=acc)).astype(cd)
         if pa:
             da = lax.dot_general(x_in, q, _CONTRACT_0, preferred_element_type=acc)
         if need_dx_in:
