@@ -561,8 +561,9 @@ def scalora_step(
     choose: a static ``merge`` argument of the jitted step that calls this function (with
     the default interval) only when true compiles two programs, and steps between merges
     run LoRA's own program. The default ``step`` with ``interval > 1`` instead branches on
-    the device (``lax.cond``), which a GPU runtime may execute by reading the predicate back
-    to the host mid-step (benchmarks/README.md, "ScaLoRA's cost, JAX").
+    the device (``lax.cond``): XLA's GPU runtime copies the predicate to the host and blocks
+    the host until the GPU has caught up, mid-step (+25% per step at r = 8;
+    benchmarks/README.md, "ScaLoRA's cost, JAX").
     """
     host_step = isinstance(interval, int) and interval > 1 and type(step) is int
     if host_step and step % interval:
