@@ -101,12 +101,12 @@ def check_dropout(rate, rng=None, deterministic=True, *, name: str = "dropout_ra
     return p
 
 
-def _caller_stacklevel() -> int:
-    """The ``warnings.warn`` stacklevel of the first frame outside dora_jax and flax (the user's
-    line, however deep Flax's module construction machinery is)."""
+def caller_stacklevel() -> int:
+    """The ``warnings.warn`` stacklevel of the first frame outside dora_jax, flax and jax (the
+    user's line, however deep Flax's module construction or JAX's tracing machinery is)."""
     skip = tuple(
         os.path.dirname(os.path.abspath(m.__file__)) + os.sep
-        for m in (sys.modules[__name__.rsplit(".", 1)[0]], sys.modules["flax"])
+        for m in (sys.modules[__name__.rsplit(".", 1)[0]], sys.modules["flax"], sys.modules["jax"])
     )
     level, frame = 1, sys._getframe(1)  # stacklevel 1 is the caller of warnings.warn
     while frame is not None and (
@@ -136,7 +136,7 @@ def renamed_argument(owner: str, new_name: str, new, old_name: str, old):
     warnings.warn(
         f"{owner}: the keyword {old_name!r} is deprecated; use {new_name!r} (PEFT's name)",
         DeprecationWarning,
-        stacklevel=_caller_stacklevel(),
+        stacklevel=caller_stacklevel(),
     )
     return old
 

@@ -475,6 +475,34 @@ def test_nnx_step_inside_one_nnx_jit_equals_the_dispatched_step(x64, form):
     assert not np.allclose(m1.dora.kernel.get_value(), build()[0].dora.kernel.get_value())
 
 
+def test_device_decided_interval_warns_on_gpus(monkeypatch):
+    """On a GPU, ScaLoRA-I with a traced step (the lax.cond form) warns once per trace and
+    names the host-side alternatives, at the caller's line; every-step updates and other
+    platforms do not warn. Traced with eval_shape: nothing is lowered for a GPU here."""
+    import functools
+    import warnings
+
+    from dora_jax import config
+
+    adapters, base, grads = _pure(5)
+    kw = {"lr_times_L": 0.1, "scaling": 1.0}
+
+    def trace(step, interval):
+        f = functools.partial(SC.scalora_update, interval=interval, **kw)
+        return jax.eval_shape(f, adapters, base, None, grads, step)
+
+    monkeypatch.setattr(config, "current_platform", lambda: "gpu")
+    with pytest.warns(RuntimeWarning, match=r"interval=4.*step=<Python int>") as got:
+        trace(jnp.asarray(3), 4)
+    assert got[0].filename == __file__
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        trace(None, 4)  # every step: no cond
+        trace(jnp.asarray(3), 1)
+        monkeypatch.setattr(config, "current_platform", lambda: "cpu")
+        trace(jnp.asarray(3), 4)
+
+
 def test_gpu_eigensolver_is_the_batched_qr_one_at_every_rank(monkeypatch):
     """JAX would pick cuSOLVER's Jacobi solver for 2r ≤ 32 on GPUs (the suspected cause of
     the r = 8 every-step cost); the systems ask for the QR-based one there, and for JAX's
