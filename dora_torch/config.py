@@ -140,6 +140,8 @@ BWD_CANDIDATES = (
     ReduceConfig(32, 128, 4, 256, min_programs=1056),
     ReduceConfig(16, 128, 4, 256, min_programs=528),
     ReduceConfig(32, 256, 8, 256, min_programs=528),
+    ReduceConfig(32, 128, 8, 256),
+    ReduceConfig(16, 128, 4, 256),
 )
 BWD = BWD_CANDIDATES[0]
 #: Contraction blocks of the zero-magnitude recompute (x W_colsᵀ over d_in, h B_colsᵀ over r).

@@ -9,12 +9,15 @@ forward (x_d Wᵀ + s·h Bᵀ):
     dm    = Σ_t dy ⊙ inner / max(n, eps)             (reduced over tokens)
     dbias = Σ_t dy
 
-one pass over dy, partial sums per token chunk (deterministic: no atomics), summed by the
-launcher. ``inner`` is either saved by the forward or recovered from the output as
-``inner = y / g`` (only when there is no bias, where it is as accurate as a saved rounded
-inner). Columns with g = 0 (m = 0) have lost inner: a column block holding one recomputes
-its inner tile as x W_colsᵀ + s·h B_colsᵀ (two small dots), so the rare case needs neither a
-second launch nor a host sync, and the common case pays one branch per program.
+one pass over dy, partial sums per token chunk (deterministic: no atomics). ``inner`` is
+either saved by the forward or recovered from the output as ``inner = y / g`` (only when
+there is no bias, where it is as accurate as a saved rounded inner). Columns with g = 0
+(m = 0) have lost inner; in recover mode the partial sums are added up by
+``_dm_finish_kernel``, whose programs for a column block holding such a column recompute
+its inner as x W_colsᵀ + s·h B_colsᵀ over all tokens. The rare case so needs no host sync
+and no extra launch (the finish replaces the sum of the partials), and the pass over dy
+carries none of the recompute's registers: with it inline the pass compiled to 255
+registers and spilled on sm_90 (benchmarks/NOTES.md, session 14).
 """
 
 from __future__ import annotations
@@ -87,14 +90,8 @@ def _scale_reduce_kernel(
     dyg1_ptr,
     dm_part_ptr,  # [P, N] fp32
     db_part_ptr,  # [P, N] fp32
-    x_ptr,  # RECOVER only (zero-magnitude columns): x [M, D], W [N, D], h [M, R], B [N, R]
-    w_ptr,
-    h_ptr,
-    lb_ptr,
     M,
     N,
-    D,
-    R,
     rows_per_program,
     stride_dym,
     stride_dyn,
@@ -102,25 +99,15 @@ def _scale_reduce_kernel(
     stride_sn,
     stride_gm,
     stride_gn,
-    stride_xm,
-    stride_xd,
-    stride_wn,
-    stride_wd,
-    s,
     OUT_MAX,
     EPS: tl.constexpr,
     RECOVER: tl.constexpr,
     DROPOUT: tl.constexpr,
     HAS_DBIAS: tl.constexpr,
-    DOT_FP32: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_R: tl.constexpr,
 ):
     # Scalars arrive as fp64 when Inductor launches the kernel: keep the math in fp32.
-    s = tl.cast(s, tl.float32)
     OUT_MAX = tl.cast(OUT_MAX, tl.float32)
     pid_m = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -128,10 +115,9 @@ def _scale_reduce_kernel(
     mag = tl.load(m_ptr + cols, mask=mask_n, other=0.0).to(tl.float32)
     nrm = tl.maximum(tl.load(n_ptr + cols, mask=mask_n, other=1.0).to(tl.float32), EPS)
     g = mag / nrm
-    # y = g·inner (no bias) → inner = y / g; where g = 0 inner is recomputed (see below).
+    # y = g·inner (no bias) → inner = y / g; where g = 0 the term is 0 here and
+    # _dm_finish_kernel recomputes that column's sum.
     inv_g = tl.where(g != 0.0, 1.0 / tl.where(g != 0.0, g, 1.0), 0.0)
-    zero_col = (mag == 0.0) & mask_n
-    has_zero = tl.max(zero_col.to(tl.int32), axis=0) > 0
     # Tile-shaped accumulators, reduced over tokens once after the loop: a reduction across
     # the tile's rows in every step would put a cross-warp exchange between the loads.
     acc_dm = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -148,13 +134,6 @@ def _scale_reduce_kernel(
         ).to(tl.float32)
         if RECOVER:
             sv = sv * inv_g[None, :]
-            if has_zero:
-                inner = _inner_tile(
-                    x_ptr, w_ptr, h_ptr, lb_ptr, rows, cols, M, N, D, R,
-                    stride_xm, stride_xd, stride_wn, stride_wd, s,
-                    DOT_FP32, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_R,
-                )  # fmt: skip
-                sv = tl.where(zero_col[None, :], inner, sv)
         acc_dm += dy * sv
         if HAS_DBIAS:
             acc_db += dy
@@ -171,7 +150,72 @@ def _scale_reduce_kernel(
         tl.store(db_part_ptr + pid_m * N + cols, tl.sum(acc_db, axis=0), mask=mask_n)
 
 
+@triton.jit
+def _dm_finish_kernel(
+    dm_part_ptr,  # [P, N] fp32, from _scale_reduce_kernel in recover mode
+    dm_ptr,  # [N] fp32
+    m_ptr,
+    n_ptr,
+    dy_ptr,
+    x_ptr,  # x [M, D], W [N, D], h [M, R], B [N, R] (h and B contiguous)
+    w_ptr,
+    h_ptr,
+    lb_ptr,
+    M,
+    N,
+    D,
+    R,
+    parts,
+    stride_dym,
+    stride_dyn,
+    stride_xm,
+    stride_xd,
+    stride_wn,
+    stride_wd,
+    s,
+    EPS: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    """dm = Σ_p dm_part[p] for one block of columns, in a fixed order; a column with m = 0
+    instead gets Σ_t dy ⊙ inner / n over all M tokens, inner recomputed as
+    x W_colᵀ + s·h B_colᵀ (its recovered inner y / g was lost: y = 0). Blocks without
+    such a column only add up the partials."""
+    s = tl.cast(s, tl.float32)
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = cols < N
+    dm = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for p in range(0, parts):
+        dm += tl.load(dm_part_ptr + p * N + cols, mask=mask_n, other=0.0)
+    mag = tl.load(m_ptr + cols, mask=mask_n, other=1.0).to(tl.float32)
+    zero_col = (mag == 0.0) & mask_n
+    if tl.max(zero_col.to(tl.int32), axis=0) > 0:
+        nrm = tl.maximum(tl.load(n_ptr + cols, mask=mask_n, other=1.0).to(tl.float32), EPS)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for r0 in range(0, M, BLOCK_M):
+            rows = r0 + tl.arange(0, BLOCK_M)
+            mask = (rows < M)[:, None] & mask_n[None, :]
+            dy = tl.load(
+                dy_ptr + rows[:, None] * stride_dym + cols[None, :] * stride_dyn,
+                mask=mask,
+                other=0.0,
+            ).to(tl.float32)
+            inner = _inner_tile(
+                x_ptr, w_ptr, h_ptr, lb_ptr, rows, cols, M, N, D, R,
+                stride_xm, stride_xd, stride_wn, stride_wd, s,
+                DOT_FP32, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_R,
+            )  # fmt: skip
+            acc += dy * inner
+        dm = tl.where(zero_col, tl.sum(acc, axis=0) / nrm, dm)
+    tl.store(dm_ptr + cols, dm, mask=mask_n)
+
+
 _launch_scale_reduce = Launcher(_scale_reduce_kernel)
+_launch_dm_finish = Launcher(_dm_finish_kernel)
 
 
 def rows_for_programs(M: int, col_blocks: int, block_m: int, min_programs: int) -> int:
@@ -219,12 +263,10 @@ def scale_reduce(
     if recover:
         if x is None or weight is None or h is None or lora_B is None:
             raise ValueError("scale_reduce(recover=True) needs x, weight, h and lora_B")
+        if need_dbias:
+            raise ValueError("scale_reduce(recover=True) is for layers without a bias: need_dbias")
         check_launchable(x, weight)
         h, lora_B = h.contiguous(), lora_B.contiguous()
-        D, R = x.shape[1], h.shape[1]
-    else:  # unused pointers and sizes
-        x = weight = h = lora_B = dy
-        D = R = 0
     cfg = reduce_config or config.BWD
     bm = config.interp_small(cfg.block_m)
     bn = config.interp_small(cfg.block_n, 32)
@@ -236,9 +278,8 @@ def scale_reduce(
     parts = cdiv(M, rpp)
     dm_part = torch.empty((parts, N), dtype=torch.float32, device=dy.device)
     db_part = torch.empty_like(dm_part) if need_dbias else dm_part
-    grid = (parts, cdiv(N, bn))
     _launch_scale_reduce(
-        grid,
+        (parts, cdiv(N, bn)),
         dy,
         saved,
         magnitude,
@@ -247,14 +288,8 @@ def scale_reduce(
         dyg1 if dropout else dyg,
         dm_part,
         db_part,
-        x,
-        weight,
-        h,
-        lora_B,
         M,
         N,
-        D,
-        R,
         rpp,
         dy.stride(0),
         dy.stride(1),
@@ -262,24 +297,50 @@ def scale_reduce(
         saved.stride(1),
         dyg.stride(0),
         dyg.stride(1),
-        x.stride(0),
-        x.stride(1),
-        weight.stride(0),
-        weight.stride(1),
-        float(scaling),
         _FINITE_MAX[dy.dtype],
         EPS=config.EPS,
         RECOVER=recover,
         DROPOUT=dropout,
         HAS_DBIAS=need_dbias,
-        DOT_FP32=dot_fp32(dy.dtype),
-        DOT_PRECISION=dot_precision(dy.dtype),
         BLOCK_M=bm,
         BLOCK_N=bn,
-        BLOCK_D=config.interp_small(config.BWD_BLOCK_D),
-        BLOCK_R=config.interp_small(config.BWD_BLOCK_R),
         num_warps=cfg.num_warps,
     )
+    if recover:  # no bias here (recover needs none), so no dbias partials
+        dm = torch.empty(N, dtype=torch.float32, device=dy.device)
+        _launch_dm_finish(
+            (cdiv(N, bn),),
+            dm_part,
+            dm,
+            magnitude,
+            norm,
+            dy,
+            x,
+            weight,
+            h,
+            lora_B,
+            M,
+            N,
+            x.shape[1],
+            h.shape[1],
+            parts,
+            dy.stride(0),
+            dy.stride(1),
+            x.stride(0),
+            x.stride(1),
+            weight.stride(0),
+            weight.stride(1),
+            float(scaling),
+            EPS=config.EPS,
+            DOT_FP32=dot_fp32(dy.dtype),
+            DOT_PRECISION=dot_precision(dy.dtype),
+            BLOCK_M=bm,
+            BLOCK_N=bn,
+            BLOCK_D=config.interp_small(config.BWD_BLOCK_D),
+            BLOCK_R=config.interp_small(config.BWD_BLOCK_R),
+            num_warps=cfg.num_warps,
+        )
+        return dyg, dyg1, dm, None
     if parts == 1:  # one token chunk: the partial sums are the sums (saves a launch each)
         return dyg, dyg1, dm_part[0], (db_part[0] if need_dbias else None)
     return dyg, dyg1, dm_part.sum(0), (db_part.sum(0) if need_dbias else None)

@@ -200,16 +200,23 @@ def test_compose_is_stable_near_unity_g():
 
 @pytest.mark.parametrize(
     "T, d_in, d_out, r, zeros",
-    # "blocks": several blocks each way; "r1_t1": one token, rank 1 (below tl.dot's 16)
-    [(6, 30, 18, 3, [0, 7, 17]), (40, 50, 70, 20, [1, 69]), (1, 17, 33, 1, [0, 32])],
-    ids=["small", "blocks", "r1_t1"],
+    # "blocks": several blocks each way; "r1_t1": one token, rank 1 (below tl.dot's 16);
+    # "chunks": 150 tokens, three token chunks under the interpreter, whose partial sums the
+    # finishing kernel adds up beside the recomputed columns
+    [
+        (6, 30, 18, 3, [0, 7, 17]),
+        (40, 50, 70, 20, [1, 69]),
+        (1, 17, 33, 1, [0, 32]),
+        (150, 20, 40, 4, [0, 39]),
+    ],
+    ids=["small", "blocks", "r1_t1", "chunks"],
 )
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
 @pytest.mark.parametrize("impl", IMPLS)
 def test_zero_magnitude_rows_get_their_gradient(impl, bias, T, d_in, d_out, r, zeros):
     """m_i = 0 ⇒ y_i = b_i, but dm_i ≠ 0. Without bias the fused tier recovers inner from y,
-    which is impossible on such rows: the backward kernel recomputes inner there. In the
-    "blocks" case a column block without a zero magnitude sits between two with one."""
+    which is impossible on such rows: the kernel that finishes dm recomputes inner there. In
+    the "blocks" case a column block without a zero magnitude sits between two with one."""
     x, W, A, B, m, b, s = random_case_tensors(5, d_in=d_in, d_out=d_out, r=r, lead=(T,))
     m[zeros] = 0.0
     b = b if bias else None
