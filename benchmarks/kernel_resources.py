@@ -1,0 +1,186 @@
+"""Registers and spills of dora_torch's Triton kernels on Hopper, compiled without a GPU.
+
+A memory-bound pass runs at the bandwidth its occupancy allows, and occupancy is set by the
+registers per thread: at 255 registers a 4-warp program leaves room for two programs per SM,
+and spills add local-memory traffic inside the loop. ``triton.compile`` builds a cubin for
+sm_90 on any machine with Triton's bundled ptxas, and ``cuobjdump -res-usage`` reads the
+registers (REG) and the per-thread stack (STACK, spills) from it. The signature mimics Triton's
+own specialisation for the training case: 16-bit activations, 16-byte aligned pointers, unit
+inner strides, sizes divisible by 16 (benchmarks/NOTES.md, session 14, found the backward pass
+at 255 registers with spills this way).
+
+    python3 -m benchmarks.kernel_resources [--all] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import inspect
+import itertools
+import json
+import os
+import re
+import subprocess
+import tempfile
+from dataclasses import dataclass
+
+SM90 = ("cuda", 90, 32)
+
+
+@dataclass(frozen=True)
+class Resources:
+    registers: int
+    stack_bytes: int  # per thread; > 0 means spills
+
+
+def tools_present() -> bool:
+    """Whether Triton's NVIDIA backend ships ptxas and cuobjdump here."""
+    try:
+        return all(os.path.exists(_tool(t)) for t in ("ptxas", "cuobjdump"))
+    except ImportError:
+        return False
+
+
+def _tool(name: str) -> str:
+    import triton.backends.nvidia as nvidia
+
+    return os.path.join(os.path.dirname(nvidia.__file__), "bin", name)
+
+
+def resources(
+    kernel,
+    constexprs: dict,
+    *,
+    unit_strides: tuple[str, ...] = (),
+    fp32_pointers: tuple[str, ...] = (),
+    floats: tuple[str, ...] = (),
+    num_warps: int,
+    num_stages: int = 3,
+) -> Resources:
+    """Compile ``kernel`` (a ``@triton.jit`` function) for sm_90 and read its resources.
+
+    Parameters ending in ``_ptr`` are bf16 pointers unless named in ``fp32_pointers``;
+    ``constexprs`` gives the constexpr values; ``unit_strides`` are specialised to 1 (as
+    Triton does for a stride of 1); ``floats`` are fp32 scalars; every other parameter is an
+    int32 divisible by 16."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    params = list(inspect.signature(kernel.fn).parameters)
+    unknown = set(constexprs) - set(params)
+    if unknown:
+        raise ValueError(f"constexprs names no parameter of {kernel.fn.__name__}: {unknown}")
+    signature, values, attrs = {}, {}, {}
+    for i, name in enumerate(params):
+        if name in constexprs or name in unit_strides:
+            signature[name] = "constexpr"
+            values[(i,)] = constexprs.get(name, 1)
+        elif name.endswith("_ptr"):
+            signature[name] = "*fp32" if name in fp32_pointers else "*bf16"
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif name in floats:
+            signature[name] = "fp32"
+        else:
+            signature[name] = "i32"
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    compiled = triton.compile(
+        ASTSource(fn=kernel, signature=signature, constexprs=values, attrs=attrs),
+        target=GPUTarget(*SM90),
+        options={"num_warps": num_warps, "num_stages": num_stages},
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "kernel.cubin")
+        with open(path, "wb") as f:
+            f.write(compiled.asm["cubin"])
+        out = subprocess.run(
+            [_tool("cuobjdump"), "-res-usage", path], capture_output=True, text=True, check=True
+        ).stdout
+    found = re.search(r"REG:(\d+) STACK:(\d+)", out)
+    if found is None:
+        raise RuntimeError(f"no resource line in cuobjdump's output:\n{out}")
+    return Resources(int(found.group(1)), int(found.group(2)))
+
+
+def scale_reduce_resources(cfg, *, recover: bool, dropout: bool, has_dbias: bool) -> Resources:
+    """The backward's scale-and-reduce pass (``kernels/backward._scale_reduce_kernel``) at one
+    ``config.ReduceConfig``."""
+    from dora_torch import config
+    from dora_torch.kernels import backward
+
+    return resources(
+        backward._scale_reduce_kernel,
+        {
+            "EPS": config.EPS,
+            "RECOVER": recover,
+            "DROPOUT": dropout,
+            "HAS_DBIAS": has_dbias,
+            "BLOCK_M": cfg.block_m,
+            "BLOCK_N": cfg.block_n,
+        },
+        unit_strides=("stride_dyn", "stride_sn", "stride_gn"),
+        fp32_pointers=("m_ptr", "n_ptr", "dm_part_ptr", "db_part_ptr"),
+        floats=("OUT_MAX",),
+        num_warps=cfg.num_warps,
+    )
+
+
+def compose_resources(*, has_bias: bool, dropout: bool) -> Resources:
+    """The forward's elementwise compose (``kernels/compose._compose_kernel``)."""
+    from dora_torch import config
+    from dora_torch.kernels import compose
+
+    return resources(
+        compose._compose_kernel,
+        {
+            "EPS": config.EPS,
+            "HAS_BIAS": has_bias,
+            "DROPOUT": dropout,
+            "STORE_INNER": False,
+            "BLOCK_M": config.COMPOSE_BLOCK_M,
+            "BLOCK_N": config.COMPOSE_BLOCK_N,
+        },
+        unit_strides=("stride_ln", "stride_bn", "stride_yn", "stride_in"),
+        fp32_pointers=("m_ptr", "n_ptr"),
+        floats=("s",),
+        num_warps=config.COMPOSE_WARPS,
+    )
+
+
+def rows(all_candidates: bool) -> list[dict]:
+    """One row per kernel, config and flag set: config.BWD's (or every candidate's) pass for
+    every valid flag set (recover mode has no bias, so no dbias), and the compose."""
+    from dora_torch import config
+
+    out = []
+    cands = config.BWD_CANDIDATES if all_candidates else (config.BWD,)
+    for i, cfg in enumerate(cands):
+        for recover, dropout, dbias in itertools.product([True, False], repeat=3):
+            if recover and dbias:
+                continue
+            got = scale_reduce_resources(cfg, recover=recover, dropout=dropout, has_dbias=dbias)
+            flags = {"recover": recover, "dropout": dropout, "has_dbias": dbias}
+            out.append({"kernel": "scale_reduce", "candidate": i, "num_warps": cfg.num_warps,
+                        **flags, **dataclasses.asdict(got)})  # fmt: skip
+    for has_bias in (False, True):
+        got = compose_resources(has_bias=has_bias, dropout=False)
+        out.append({"kernel": "compose", "num_warps": config.COMPOSE_WARPS,
+                    "has_bias": has_bias, **dataclasses.asdict(got)})  # fmt: skip
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--all", action="store_true", help="every config.BWD_CANDIDATES entry")
+    ap.add_argument("--json", action="store_true", help="one JSON object per line")
+    args = ap.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise SystemExit("unset TRITON_INTERPRET: the interpreter compiles nothing")
+    for row in rows(args.all):
+        print(json.dumps(row) if args.json else row)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

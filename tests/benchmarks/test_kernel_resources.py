@@ -1,0 +1,48 @@
+"""Hot streaming kernels compile for sm_90 without spills and below the register ceiling
+(``benchmarks/kernel_resources.py``; no GPU needed, Triton's bundled ptxas is).
+
+The backward's scale-and-reduce pass once compiled to 255 registers with spills in recover
+mode (an inline recompute for m = 0 columns): two programs per SM, and half of copy
+bandwidth. These checks keep such a regression from landing unseen. The kernels compile in a
+child process: the suite runs Triton's interpreter, which compiles nothing."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from benchmarks import kernel_resources as kr
+
+pytestmark = pytest.mark.skipif(not kr.tools_present(), reason="needs Triton's ptxas/cuobjdump")
+
+#: The most registers a thread can have: a kernel at this ceiling was constrained by it (the
+#: spilling pass sat there), so none may reach it. How many fewer is best is the sweep's
+#: question (benchmarks/bench_torch_layer.py), not this test's.
+REGISTER_CEILING = 255
+
+
+@pytest.fixture(scope="module")
+def rows():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.kernel_resources", "--json"],
+        capture_output=True, text=True, env=env, check=False, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    return [json.loads(line) for line in done.stdout.splitlines()]
+
+
+def test_every_flag_set_of_the_default_pass_and_the_compose_is_compiled(rows):
+    passes = [r for r in rows if r["kernel"] == "scale_reduce"]
+    flags = {(r["recover"], r["dropout"], r["has_dbias"]) for r in passes}
+    assert len(passes) == len(flags) == 6 and (True, False, True) not in flags
+    assert sum(r["kernel"] == "compose" for r in rows) == 2
+
+
+def test_streaming_kernels_neither_spill_nor_reach_the_register_ceiling(rows):
+    for r in rows:
+        assert r["stack_bytes"] == 0, r
+        assert r["registers"] < REGISTER_CEILING, r
