@@ -30,10 +30,10 @@ None first, so they count for everyone).
 
 Also: the compose kernels' achieved bandwidth against a measured device-to-device copy, the
 transient memory of the norm (ours factored vs PEFT's dense) at 8192→28672, r=384, and the
-epilogue GEMM's time for each tile config in ``config.LORA_GEMM_CANDIDATES`` on every shape
-(``torch_layer_gemm_configs.csv``; ``config.lora_gemm_config`` encodes the winner), the
-backward reduce pass for each ``config.BWD_CANDIDATES`` and the norm's time
-(``torch_layer_reduce_configs.csv``).
+epilogue GEMM's time for each tile config in ``config.LORA_GEMM_CANDIDATES`` on every shape,
+in the inference, store-inner and dropout forms (``torch_layer_gemm_configs.csv``;
+``config.lora_gemm_config`` encodes the winner), the backward reduce pass for each
+``config.BWD_CANDIDATES`` and the norm's time (``torch_layer_reduce_configs.csv``).
 A failing provider is recorded in the CSV with its error and does not stop the others.
 
     python3 -m benchmarks.run --only torch_layer --skip-tests
@@ -285,8 +285,11 @@ def _bandwidth(T=4096, N=8192):
 
 # ------------------------------------------------------------------- epilogue GEMM configs
 def _gemm_configs() -> list[dict]:
-    """Time the epilogue GEMM (y = compose(h Bᵀ), inference form) for every candidate tile
-    config on every benchmark shape."""
+    """Time the epilogue GEMM for every candidate tile config on every benchmark shape, in
+    three forms: inference (y = compose(h Bᵀ)), ``store_inner`` (a layer with a bias keeps
+    inner for the backward) and ``dropout`` (base and base_d both read, inner kept). The
+    training forms spill registers at the wide tile (``benchmarks/kernel_resources.py``;
+    NOTES.md, session 14), so their best tile may differ."""
     import triton.testing
 
     from dora_torch import config
@@ -298,23 +301,30 @@ def _gemm_configs() -> list[dict]:
         h = torch.randn(T, r, device="cuda", dtype=DT)
         B = torch.randn(d_out, r, device="cuda", dtype=DT) * 0.05
         base = torch.randn(T, d_out, device="cuda", dtype=DT)
+        base_x = torch.randn(T, d_out, device="cuda", dtype=DT)
         m = torch.rand(d_out, device="cuda") + 0.5
         n = torch.rand(d_out, device="cuda") + 0.5
-        for i, cand in enumerate(config.LORA_GEMM_CANDIDATES):
-            ms = triton.testing.do_bench(
-                lambda h=h, B=B, base=base, m=m, n=n, cand=cand: compose_forward(
-                    h, B, base, m, n, 2.0, epilogue=True, gemm_config=cand
-                ),
-                warmup=WARMUP_MS,
-                rep=REP_MS,
-                return_mode="median",
-            )
-            chosen = cand == config.lora_gemm_config(T, d_out)
-            rows.append(
-                {"d_out": d_out, "r": r, "tokens": T, "candidate": i, **vars(cand), "ms": ms,
-                 "chosen": chosen}
-            )  # fmt: skip
-            print(f"[{BENCH}] gemm config {rows[-1]}", flush=True)
+        forms = {  # training with dropout always keeps inner (dora_torch/ops.py, SAVE_INNER)
+            "inference": {},
+            "store_inner": {"store_inner": True},
+            "dropout": {"base": base_x, "store_inner": True},
+        }
+        for form, kw in forms.items():
+            for i, cand in enumerate(config.LORA_GEMM_CANDIDATES):
+                ms = triton.testing.do_bench(
+                    lambda h=h, B=B, base=base, m=m, n=n, cand=cand, kw=kw: compose_forward(
+                        h, B, base, m, n, 2.0, epilogue=True, gemm_config=cand, **kw
+                    ),
+                    warmup=WARMUP_MS,
+                    rep=REP_MS,
+                    return_mode="median",
+                )
+                chosen = cand == config.lora_gemm_config(T, d_out)
+                rows.append(
+                    {"d_out": d_out, "r": r, "tokens": T, "form": form, "candidate": i,
+                     **vars(cand), "ms": ms, "chosen": chosen}
+                )  # fmt: skip
+                print(f"[{BENCH}] gemm config {rows[-1]}", flush=True)
     return rows
 
 

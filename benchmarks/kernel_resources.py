@@ -148,9 +148,38 @@ def compose_resources(*, has_bias: bool, dropout: bool) -> Resources:
     )
 
 
+def lora_gemm_compose_resources(cfg, *, has_bias: bool, dropout: bool, store_inner: bool):
+    """The forward's epilogue GEMM (``kernels/compose._lora_gemm_compose_kernel``) at one
+    ``config.GemmConfig``, r ≥ 64 (one full K block)."""
+    from dora_torch import config
+    from dora_torch.kernels import compose
+
+    return resources(
+        compose._lora_gemm_compose_kernel,
+        {
+            "EPS": config.EPS,
+            "HAS_BIAS": has_bias,
+            "DROPOUT": dropout,
+            "STORE_INNER": store_inner,
+            "DOT_FP32": False,
+            "DOT_PRECISION": "tf32",
+            "BLOCK_K": config.LORA_GEMM_BLOCK_K,
+            "BLOCK_M": cfg.block_m,
+            "BLOCK_N": cfg.block_n,
+            "GROUP_M": cfg.group_m,
+        },
+        unit_strides=("stride_hk", "stride_lbk", "stride_bn", "stride_yn", "stride_in"),
+        fp32_pointers=("m_ptr", "n_ptr"),
+        floats=("s",),
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+
+
 def rows(all_candidates: bool) -> list[dict]:
     """One row per kernel, config and flag set: config.BWD's (or every candidate's) pass for
-    every valid flag set (recover mode has no bias, so no dbias), and the compose."""
+    every valid flag set (recover mode has no bias, so no dbias), the compose, and the
+    epilogue GEMM at the two tiles ``config.lora_gemm_config`` picks (or every candidate)."""
     from dora_torch import config
 
     out = []
@@ -167,6 +196,18 @@ def rows(all_candidates: bool) -> list[dict]:
         got = compose_resources(has_bias=has_bias, dropout=False)
         out.append({"kernel": "compose", "num_warps": config.COMPOSE_WARPS,
                     "has_bias": has_bias, **dataclasses.asdict(got)})  # fmt: skip
+    gemms = dict(enumerate(config.LORA_GEMM_CANDIDATES))
+    if not all_candidates:  # the two tiles config.lora_gemm_config picks from
+        gemms = {i: gemms[i] for i in (1, 4)}
+    for i, cfg in gemms.items():
+        for has_bias, dropout, store in itertools.product([False, True], repeat=3):
+            got = lora_gemm_compose_resources(
+                cfg, has_bias=has_bias, dropout=dropout, store_inner=store
+            )
+            flags = {"has_bias": has_bias, "dropout": dropout, "store_inner": store}
+            out.append({"kernel": "lora_gemm_compose", "candidate": i,
+                        "num_warps": cfg.num_warps, **flags,
+                        **dataclasses.asdict(got)})  # fmt: skip
     return out
 
 
