@@ -14,9 +14,10 @@ either saved by the forward or recovered from the output as ``inner = y / g`` (o
 there is no bias, where it is as accurate as a saved rounded inner). Columns with g = 0
 (m = 0) have lost inner; in recover mode the partial sums are added up by
 ``_dm_finish_kernel``, whose programs for a column block holding such a column recompute
-its inner as x W_colsᵀ + s·h B_colsᵀ over all tokens. The rare case so needs no host sync
-and no extra launch (the finish replaces the sum of the partials), and the pass over dy
-carries none of the recompute's registers: with it inline the pass compiled to 255
+its inner as x W_colsᵀ + s·h B_colsᵀ over all tokens. The rare case so needs no host sync,
+no extra launch where T spans several token chunks (the finish replaces the sum of the
+partials; one more launch where it does not), and the pass over dy carries none of the
+recompute's registers: with it inline the pass compiled to 255
 registers and spilled on sm_90 (benchmarks/NOTES.md, session 14).
 """
 

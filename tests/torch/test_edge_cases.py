@@ -583,6 +583,20 @@ def test_scale_reduce_token_chunks(monkeypatch, min_programs, chunks):
     torch.testing.assert_close(dyg, (m / n) * dy)
 
 
+def test_scale_reduce_recover_refuses_a_bias_gradient():
+    """Recovering inner from y is for layers without a bias: asking for dbias there is an
+    error naming the argument, not a silent None."""
+    from dora_torch.kernels import backward
+
+    dy = torch.randn(4, 8)
+    m = n = torch.ones(8)
+    with pytest.raises(ValueError, match="need_dbias"):
+        backward.scale_reduce(
+            dy, dy, m, n, recover=True, dropout=False, need_dbias=True,
+            x=dy, weight=dy, h=dy, lora_B=dy,
+        )  # fmt: skip
+
+
 @pytest.mark.parametrize(
     "M, col_blocks, min_programs, rows",
     [
