@@ -15,7 +15,6 @@ at 255 registers with spills this way).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import inspect
 import itertools
 import json
@@ -23,7 +22,7 @@ import os
 import re
 import subprocess
 import tempfile
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 SM90 = ("cuda", 90, 32)
 
@@ -151,8 +150,11 @@ def compose_resources(*, has_bias: bool, dropout: bool) -> Resources:
 def lora_gemm_compose_resources(cfg, *, has_bias: bool, dropout: bool, store_inner: bool):
     """The forward's epilogue GEMM (``kernels/compose._lora_gemm_compose_kernel``) at one
     ``config.GemmConfig``, r ≥ 64 (one full K block)."""
+    import torch
+
     from dora_torch import config
     from dora_torch.kernels import compose
+    from dora_torch.kernels.common import dot_fp32, dot_precision
 
     return resources(
         compose._lora_gemm_compose_kernel,
@@ -161,8 +163,8 @@ def lora_gemm_compose_resources(cfg, *, has_bias: bool, dropout: bool, store_inn
             "HAS_BIAS": has_bias,
             "DROPOUT": dropout,
             "STORE_INNER": store_inner,
-            "DOT_FP32": False,
-            "DOT_PRECISION": "tf32",
+            "DOT_FP32": dot_fp32(torch.bfloat16),  # as the launcher passes them for bf16
+            "DOT_PRECISION": dot_precision(torch.bfloat16),
             "BLOCK_K": config.LORA_GEMM_BLOCK_K,
             "BLOCK_M": cfg.block_m,
             "BLOCK_N": cfg.block_n,
@@ -191,11 +193,11 @@ def rows(all_candidates: bool) -> list[dict]:
             got = scale_reduce_resources(cfg, recover=recover, dropout=dropout, has_dbias=dbias)
             flags = {"recover": recover, "dropout": dropout, "has_dbias": dbias}
             out.append({"kernel": "scale_reduce", "candidate": i, "num_warps": cfg.num_warps,
-                        **flags, **dataclasses.asdict(got)})  # fmt: skip
+                        **flags, **asdict(got)})  # fmt: skip
     for has_bias in (False, True):
         got = compose_resources(has_bias=has_bias, dropout=False)
         out.append({"kernel": "compose", "num_warps": config.COMPOSE_WARPS,
-                    "has_bias": has_bias, **dataclasses.asdict(got)})  # fmt: skip
+                    "has_bias": has_bias, **asdict(got)})  # fmt: skip
     gemms = dict(enumerate(config.LORA_GEMM_CANDIDATES))
     if not all_candidates:  # the two tiles config.lora_gemm_config picks from
         gemms = {i: gemms[i] for i in (1, 4)}
@@ -207,7 +209,7 @@ def rows(all_candidates: bool) -> list[dict]:
             flags = {"has_bias": has_bias, "dropout": dropout, "store_inner": store}
             out.append({"kernel": "lora_gemm_compose", "candidate": i,
                         "num_warps": cfg.num_warps, **flags,
-                        **dataclasses.asdict(got)})  # fmt: skip
+                        **asdict(got)})  # fmt: skip
     return out
 
 

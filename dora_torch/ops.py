@@ -25,9 +25,9 @@ What is saved for backward (``opts.save``):
                 numerically sound: bf16/fp32 activations (fp16's narrow exponent range makes
                 small g·inner subnormal), no bias (y − b would cancel when |b| ≫ |g·inner|)
                 and no dropout (y is not g·inner there). Columns with g = 0 (m_i = 0) lost
-                inner; the kernel that finishes dm recomputes it from x, W, h, B there, without
-                a host sync. Modifying y in place before backward raises autograd's "modified by an
-                inplace operation" error (a test pins this).
+                inner; the kernel that finishes dm recomputes it from x, W, h, B there,
+                without a host sync. Modifying y in place before backward raises autograd's
+                "modified by an inplace operation" error (a test pins this).
 Never saved: the dense B·A, fp32 copies of anything [T, d_out].
 
 Gradients (detached norm, docs/design.md §4), dy_g = g ⊙ dy, t = dy_g B:

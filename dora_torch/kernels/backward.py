@@ -17,8 +17,8 @@ there is no bias, where it is as accurate as a saved rounded inner). Columns wit
 its inner as x W_colsᵀ + s·h B_colsᵀ over all tokens. The rare case so needs no host sync,
 no extra launch where T spans several token chunks (the finish replaces the sum of the
 partials; one more launch where it does not), and the pass over dy carries none of the
-recompute's registers: with it inline the pass compiled to 255
-registers and spilled on sm_90 (benchmarks/NOTES.md, session 14).
+recompute's registers: with it inline the pass compiled to 255 registers and spilled on
+sm_90 (benchmarks/NOTES.md, session 14).
 """
 
 from __future__ import annotations
@@ -182,10 +182,11 @@ def _dm_finish_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_R: tl.constexpr,
 ):
-    """dm = Σ_p dm_part[p] for one block of columns, in a fixed order; a column with m = 0
-    instead gets Σ_t dy ⊙ inner / n over all M tokens, inner recomputed as
-    x W_colᵀ + s·h B_colᵀ (its recovered inner y / g was lost: y = 0). Blocks without
-    such a column only add up the partials."""
+    """dm = Σ_p dm_part[p] for one block of columns, in a fixed order; a column with g = 0
+    (m = 0, or m / n below fp32's range) instead gets Σ_t dy ⊙ inner / n over all M tokens,
+    inner recomputed as x W_colᵀ + s·h B_colᵀ: its recovered inner y / g was lost, and the
+    pass over dy, which tests g the same way, left its term at 0. Blocks without such a
+    column only add up the partials."""
     s = tl.cast(s, tl.float32)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = cols < N
@@ -193,9 +194,9 @@ def _dm_finish_kernel(
     for p in range(0, parts):
         dm += tl.load(dm_part_ptr + p * N + cols, mask=mask_n, other=0.0)
     mag = tl.load(m_ptr + cols, mask=mask_n, other=1.0).to(tl.float32)
-    zero_col = (mag == 0.0) & mask_n
+    nrm = tl.maximum(tl.load(n_ptr + cols, mask=mask_n, other=1.0).to(tl.float32), EPS)
+    zero_col = (mag / nrm == 0.0) & mask_n
     if tl.max(zero_col.to(tl.int32), axis=0) > 0:
-        nrm = tl.maximum(tl.load(n_ptr + cols, mask=mask_n, other=1.0).to(tl.float32), EPS)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for r0 in range(0, M, BLOCK_M):
             rows = r0 + tl.arange(0, BLOCK_M)
