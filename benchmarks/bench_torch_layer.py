@@ -319,7 +319,9 @@ def _gemm_configs() -> list[dict]:
                     rep=REP_MS,
                     return_mode="median",
                 )
-                chosen = cand == config.lora_gemm_config(T, d_out)
+                chosen = cand == config.lora_gemm_config(
+                    T, d_out, r, keeps_inner=kw.get("store_inner", False)
+                )
                 rows.append(
                     {"d_out": d_out, "r": r, "tokens": T, "form": form, "candidate": i,
                      **vars(cand), "ms": ms, "chosen": chosen}

@@ -84,19 +84,27 @@ _INTERPRETER_GEMM = GemmConfig(16, 32, 4, 1, 1)
 
 #: Tile count from which the wide tile (candidate 1) fills the H200's 132 SMs twice over.
 LORA_GEMM_WIDE_MIN_TILES = 264
+#: Rank from which the wide tile may win: at r = 16 and 128 the narrow one was faster even in
+#: the inference form (run 52); at r = 384 the wide one was (between the two, untested).
+LORA_GEMM_WIDE_MIN_RANK = 256
 
 
-def lora_gemm_config(M: int, N: int) -> GemmConfig:
-    """The epilogue GEMM's tiles for y [M, N]. Measured on the H200 (run 6,
-    ``results/torch_layer_gemm_configs.csv``): 128×256 tiles, 8 warps, 3 stages are fastest
-    wherever they make enough tiles (−17% at 4096×8192, −23% at 2048×28672 against 128×128);
-    with fewer tiles (512×4096: 64 of them) 64×128 tiles, 4 warps, 4 stages win (16 vs 45 µs).
+def lora_gemm_config(M: int, N: int, r: int, *, keeps_inner: bool = False) -> GemmConfig:
+    """The epilogue GEMM's tiles for y [M, N] = compose(h [M, r] · Bᵀ), from the H200 sweep
+    (``results/torch_layer_gemm_configs_run52.csv``). The wide tile (128×256, 8 warps, 3
+    stages) sits at the 255-register ceiling: it wins only in the inference form (inner not
+    stored) at r ≥ ``LORA_GEMM_WIDE_MIN_RANK`` with enough tiles (−1.5% at 4096×8192, −4.6% at
+    2048×28672, r = 384). Everywhere else the narrow tile (64×128, 4 warps, 4 stages) is
+    faster: −23% at 4096×8192, r = 16; with ``keeps_inner`` (a bias, or dropout) the wide
+    tile spills registers and loses by 1.6-4.5% (inner stored) and 1.6-1.7× (dropout).
     """
     if interpreting():
         return _INTERPRETER_GEMM
-    wide = LORA_GEMM_CANDIDATES[1]
+    wide, narrow = LORA_GEMM_CANDIDATES[1], LORA_GEMM_CANDIDATES[4]
+    if keeps_inner or r < LORA_GEMM_WIDE_MIN_RANK:
+        return narrow
     tiles = -(-M // wide.block_m) * -(-N // wide.block_n)
-    return wide if tiles >= LORA_GEMM_WIDE_MIN_TILES else LORA_GEMM_CANDIDATES[4]
+    return wide if tiles >= LORA_GEMM_WIDE_MIN_TILES else narrow
 
 
 #: Contraction block of the epilogue GEMM (over r); rounded down to r's next power of two,

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from benchmarks.bench_convergence import FLOORS, JOBS, setting_summary, settings
+from benchmarks.bench_convergence import CROSS_FLOOR, FLOORS, JOBS, setting_summary, settings
 
 
 def _runs(ours_offset: float, floor_offsets=(0.01, 0.02)) -> dict:
@@ -35,6 +35,19 @@ def test_ours_is_judged_against_the_larger_floor(offset, within):
     assert set(curves) == {"loss_peft", "loss_ours", "abs_delta", *(f"loss_{k}" for k in FLOORS),
                            *(f"abs_delta_{k}" for k in FLOORS)}  # fmt: skip
     assert all("bf16 adapters" in r["metric"] for r in rows)
+
+
+def test_the_other_adapter_setting_widens_the_floor_and_the_rerun_ratio_stays():
+    """PEFT's run in the other adapter setting joins the floor when both settings ran; the
+    ratio to the same-setting reruns alone is still reported."""
+    got = _runs(0.025)
+    got[CROSS_FLOOR] = SimpleNamespace(losses=(np.asarray(got["peft"].losses) + 0.03).tolist())
+    rows, curves, _ = setting_summary("fp32", got, 50)
+    verdict = _verdicts(rows)
+    assert verdict["mean |Δloss| within PEFT's own floor"] is True
+    values = {r["metric"].split(" (")[0]: r["value"] for r in rows}
+    assert values["mean |Δloss| / same-setting rerun floor"] == pytest.approx(0.025 / 0.02)
+    assert f"abs_delta_{CROSS_FLOOR}" in curves
 
 
 def test_settings_are_checked(monkeypatch):
