@@ -320,7 +320,7 @@ def _gemm_configs() -> list[dict]:
                     return_mode="median",
                 )
                 chosen = cand == config.lora_gemm_config(
-                    T, d_out, r, keeps_inner=kw.get("store_inner", False)
+                    T, d_out, r, store_inner="store_inner" in kw, dropout="base" in kw
                 )
                 rows.append(
                     {"d_out": d_out, "r": r, "tokens": T, "form": form, "candidate": i,

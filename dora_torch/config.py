@@ -89,19 +89,22 @@ LORA_GEMM_WIDE_MIN_TILES = 264
 LORA_GEMM_WIDE_MIN_RANK = 256
 
 
-def lora_gemm_config(M: int, N: int, r: int, *, keeps_inner: bool = False) -> GemmConfig:
+def lora_gemm_config(
+    M: int, N: int, r: int, *, store_inner: bool = False, dropout: bool = False
+) -> GemmConfig:
     """The epilogue GEMM's tiles for y [M, N] = compose(h [M, r] · Bᵀ), from the H200 sweep
     (``results/torch_layer_gemm_configs_run52.csv``). The wide tile (128×256, 8 warps, 3
     stages) sits at the 255-register ceiling: it wins only in the inference form (inner not
     stored) at r ≥ ``LORA_GEMM_WIDE_MIN_RANK`` with enough tiles (−1.5% at 4096×8192, −4.6% at
     2048×28672, r = 384). Everywhere else the narrow tile (64×128, 4 warps, 4 stages) is
-    faster: −23% at 4096×8192, r = 16; with ``keeps_inner`` (a bias, or dropout) the wide
-    tile spills registers and loses by 1.6-4.5% (inner stored) and 1.6-1.7× (dropout).
+    faster: −23% at 4096×8192, r = 16; when the epilogue stores inner (a layer with a bias or
+    dropout, in training) or applies dropout, the wide tile spills registers and loses by
+    1.6-4.5% (inner stored) and 1.6-1.7× (dropout).
     """
     if interpreting():
         return _INTERPRETER_GEMM
     wide, narrow = LORA_GEMM_CANDIDATES[1], LORA_GEMM_CANDIDATES[4]
-    if keeps_inner or r < LORA_GEMM_WIDE_MIN_RANK:
+    if store_inner or dropout or r < LORA_GEMM_WIDE_MIN_RANK:
         return narrow
     tiles = -(-M // wide.block_m) * -(-N // wide.block_n)
     return wide if tiles >= LORA_GEMM_WIDE_MIN_TILES else narrow

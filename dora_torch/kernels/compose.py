@@ -303,7 +303,9 @@ def compose_forward(
     }
     if use_epilogue:
         block_k = max(16, min(config.LORA_GEMM_BLOCK_K, next_pow2(K)))
-        cfg = gemm_config or config.lora_gemm_config(M, N, K, keeps_inner=store_inner)
+        cfg = gemm_config or config.lora_gemm_config(
+            M, N, K, store_inner=store_inner, dropout=dropout
+        )
         grid = (cdiv(M, cfg.block_m) * cdiv(N, cfg.block_n),)
         _launch_lora_gemm_compose(
             grid,

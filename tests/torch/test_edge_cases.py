@@ -302,14 +302,15 @@ def test_fused_on_cpu_without_interpreter_is_refused(monkeypatch):
 
 def test_epilogue_gemm_tile_rule(monkeypatch):
     """The wide tile only where the H200 sweep had it win: the inference form, a rank from
-    LORA_GEMM_WIDE_MIN_RANK and enough tiles; the narrow one for a kept inner (bias, dropout),
+    LORA_GEMM_WIDE_MIN_RANK and enough tiles; the narrow one for a stored inner or dropout,
     small ranks and few tiles."""
     monkeypatch.setattr(config, "_INTERPRETING", False)
     wide, narrow = config.LORA_GEMM_CANDIDATES[1], config.LORA_GEMM_CANDIDATES[4]
     big_r = config.LORA_GEMM_WIDE_MIN_RANK
     assert config.lora_gemm_config(4096, 8192, big_r) == wide
     assert config.lora_gemm_config(4096, 8192, big_r - 1) == narrow
-    assert config.lora_gemm_config(4096, 8192, big_r, keeps_inner=True) == narrow
+    assert config.lora_gemm_config(4096, 8192, big_r, store_inner=True) == narrow
+    assert config.lora_gemm_config(4096, 8192, big_r, dropout=True) == narrow
     assert config.lora_gemm_config(512, 4096, big_r) == narrow  # 32 wide tiles
 
 
