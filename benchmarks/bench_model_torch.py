@@ -21,7 +21,10 @@ Metrics, medians of CUDA-event-timed calls after warm-up:
     AdamW.step()``; ``optim`` says which AdamW (``foreach`` or ``fused``).
   - ``infer_ms``: a no-grad forward in eval mode (adapters unchanged between calls);
     ``infer_dora_cached_ms``: PEFT DoRA inside ``peft.helpers.DoraCaching`` (PEFT's own norm
-    cache), so PEFT is compared cached against cached.
+    cache), so PEFT is compared cached against cached; ``infer_norm_recomputed_ms``: ours
+    with every norm made stale before each call (an optimizer step on a dummy parameter,
+    ``norm_invalidator``), as inference right after each training update would run, beside
+    ours' cached row and PEFT's uncached one.
   - ``train_peak_gib``: peak allocated during one step over what was allocated before it
     (weights, adapters, optimizer state).
 
@@ -72,7 +75,8 @@ ITERS = 10
 GIB = 2.0**30
 FIELDS = [
     "provider", "mode", "optim", "rank", "batch", "layers", "train_ms", "infer_ms",
-    "infer_dora_cached_ms", "train_peak_gib", "grad_ckpt", "dora_config", "error",
+    "infer_dora_cached_ms", "infer_norm_recomputed_ms", "train_peak_gib", "grad_ckpt",
+    "dora_config", "error",
 ]  # fmt: skip
 
 
@@ -195,13 +199,30 @@ def measure_train(model, run, ids, mode: str, optim: str) -> dict:
     return {"train_ms": ms, "train_peak_gib": peak}
 
 
-def measure_infer(model, run, ids, mode: str, *, dora_caching: bool = False) -> float:
+def norm_invalidator(device="cuda"):
+    """A callable that makes every cached DoRA norm of ours stale, as a training update does:
+    one step of an optimizer over a dummy parameter. ``dora_torch`` counts every
+    ``torch.optim.Optimizer`` step (docs/design.md §8, rule 2), so the next call recomputes
+    its norms (eval-mode modules refresh their norm buffer in the step's hook)."""
+    import torch
+
+    dummy = torch.zeros(1, device=device, requires_grad=True)
+    dummy.grad = torch.zeros_like(dummy)
+    return torch.optim.SGD([dummy], lr=0.0).step
+
+
+def measure_infer(
+    model, run, ids, mode: str, *, dora_caching: bool = False, norm_recomputed: bool = False
+) -> float:
     import torch
 
     model.eval()
+    invalidate = norm_invalidator(ids.device) if norm_recomputed else None
 
     def infer():
         _mark_step(mode)
+        if invalidate is not None:
+            invalidate()
         with torch.no_grad():
             return run(input_ids=ids).logits
 
@@ -352,6 +373,10 @@ def bench(
                             if name.startswith("peft_dora"):
                                 infer["infer_dora_cached_ms"] = measure_infer(
                                     model, run, ids, mode, dora_caching=True
+                                )
+                            if PROVIDERS[name][2]:  # ours
+                                infer["infer_norm_recomputed_ms"] = measure_infer(
+                                    model, run, ids, mode, norm_recomputed=True
                                 )
                         except Exception as e:
                             traceback.print_exc()

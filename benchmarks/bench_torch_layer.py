@@ -21,7 +21,9 @@ Environment: ``TORCH_LAYER_SHAPES`` (e.g. ``4096x4096_r16_t512``, comma-separate
 sweeps and the bandwidth / norm-transient extras after them, and a comma-separated list
 (``gemm_configs``, ``reduce_configs``, ``assembly_configs``) runs only those sweeps.
 
-Modes: ``inference`` (no grad, eval; ours reuses its cached norm — weights unchanged) and
+Modes: ``inference`` (no grad, eval; ours reuses its cached norm — weights unchanged),
+``inference_norm`` (ours and ours_bf16 only: the same with the norm invalidated before every
+call, beside the cached row, as PEFT DoRA recomputes its norm in every call) and
 ``fwd_bwd`` (y.backward(dy); ours' norm is invalidated before every call, i.e. the worst case
 of one optimizer step per micro-batch); x requires grad, so dx is computed. Median of
 triton.testing.do_bench with inputs rotated over 3 buffers; peak extra memory =
@@ -73,6 +75,9 @@ PROVIDERS = [
     "lora_eq_graphed",
 ]
 GRAPHED_SHAPES = [(4096, 4096, 384, 512), (4096, 4096, 16, 512)]
+MODES = ("inference", "inference_norm", "fwd_bwd")
+#: The providers timed in ``inference_norm`` (the others have no norm cache to invalidate).
+NORM_RECOMPUTED_PROVIDERS = ("ours", "ours_bf16")
 HEADLINE = (8192, 8192, 384, 4096)
 DT = torch.bfloat16
 ROTATE = 3
@@ -146,6 +151,7 @@ def _measure(provider, d_in, d_out, r, T, mode):
     graphed = provider.endswith("_graphed")
     fn, params, ours = _make(provider.removesuffix("_graphed"), base, r)
     train = mode == "fwd_bwd"
+    stale = train or mode == "inference_norm"  # an update changed A: the norm is recomputed
     if isinstance(fn, nn.Module):
         fn.train(train)
     # fwd+bwd includes dx for every provider (a layer inside a network needs it).
@@ -164,13 +170,14 @@ def _measure(provider, d_in, d_out, r, T, mode):
         state["i"] += 1
         if train and graphed:
             fn(x)  # forward and backward replayed (the norm recomputed inside)
-        elif train:
-            if ours is not None:  # an optimizer step changed A: the norm must be recomputed
-                torch.autograd.graph.increment_version(ours.lora_A)
-            fn(x).backward(dy)
         else:
-            with torch.no_grad():
-                fn(x)
+            if stale and ours is not None:
+                torch.autograd.graph.increment_version(ours.lora_A)
+            if train:
+                fn(x).backward(dy)
+            else:
+                with torch.no_grad():
+                    fn(x)
 
     try:
         for _ in range(3):  # warm-up: autotune, caches, cuBLAS handles
@@ -493,9 +500,11 @@ def run(out_dir: pathlib.Path) -> list[dict]:
     rows = []
     shapes = [sh for sh in SHAPES if _selected("TORCH_LAYER_SHAPES", _shape_name(sh))]
     for d_in, d_out, r, T in shapes:
-        for mode in ("inference", "fwd_bwd"):
+        for mode in MODES:
             for provider in PROVIDERS:
                 if not _selected("TORCH_LAYER_PROVIDERS", provider):
+                    continue
+                if mode == "inference_norm" and provider not in NORM_RECOMPUTED_PROVIDERS:
                     continue
                 if provider == "ours_elementwise" and (d_in, d_out, r, T) != HEADLINE:
                     continue
@@ -617,6 +626,16 @@ def _summary(rows, extra) -> list[dict]:
         "inference ours_bf16/lora_eq 4096² r384 512tok, both CUDA-graphed",
         _get(rows, small, "inference", "ours_bf16_graphed"),
         _get(rows, small, "inference", "lora_eq_graphed"),
+    )
+    ratio(  # both recompute the norm in every call: no cache on either side
+        "inference speedup vs PEFT DoRA bf16-adapters 8192² r384, ours_bf16's norm recomputed",
+        _get(rows, big, "inference", "peft_dora_bf16"),
+        _get(rows, big, "inference_norm", "ours_bf16"),
+    )
+    ratio(
+        "inference ours_bf16 norm recomputed/cached 8192² r384",
+        _get(rows, big, "inference_norm", "ours_bf16"),
+        _get(rows, big, "inference", "ours_bf16"),
     )
     for mode, tgt in (("inference", 2.0), ("fwd_bwd", 1.4)):
         ratio(
