@@ -238,7 +238,8 @@ def profile_train(
     model, run, ids, path: pathlib.Path, mode: str = "eager", optim: str = "foreach"
 ) -> None:
     """torch.profiler tables (device and host time per op) of 3 training steps of ``run``
-    (``model`` itself or its compiled form, already warm)."""
+    (``model`` itself or its compiled form, already warm), and every op and kernel of them
+    as CSV beside ``path`` (``.csv``: calls and self times, to diff two providers)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -260,6 +261,16 @@ def profile_train(
             step()
         torch.cuda.synchronize()
     ka = prof.key_averages()
+    write_csv(
+        path.with_suffix(".csv"),
+        [
+            {"name": e.key, "calls": e.count,
+             "self_device_ms": getattr(e, "self_device_time_total", 0.0) / 1e3,
+             "self_cpu_ms": e.self_cpu_time_total / 1e3}
+            for e in ka
+        ],
+        ["name", "calls", "self_device_ms", "self_cpu_ms"],
+    )  # fmt: skip
     # Host-device synchronizations inside one step serialize host and GPU time: list them.
     torch.cuda.set_sync_debug_mode("warn")
     try:
@@ -275,7 +286,7 @@ def profile_train(
         f.write(f"synchronizing calls in one step: {sum(syncs.values())}\n")
         for where, count in syncs.most_common():
             f.write(f"  {count:5d}  {where}\n")
-        f.write(ka.table(sort_by="self_cuda_time_total", row_limit=30))
+        f.write(ka.table(sort_by="self_cuda_time_total", row_limit=60))
         f.write("\n")
         f.write(ka.table(sort_by="self_cpu_time_total", row_limit=40))
         # Python-level host time (what the op table above cannot attribute).
