@@ -110,6 +110,11 @@ def _inputs(d_in, d_out, r, tokens, seed):
     return jax.block_until_ready(make(jax.random.key(seed)))
 
 
+def frozen_norm(kernel, a, b):
+    """The precomputed norm the "infer" shapes read (a frozen adapter)."""
+    return jax.block_until_ready(jax.jit(factored_norm, static_argnums=3)(kernel, a, b, SCALING))
+
+
 def _auto_alias(x_shape, kernel_shape, r) -> str | None:
     """The provider ``ours_auto`` duplicates: the one whose impl resolves to the same impl
     for every op (``ours_mosaic`` is XLA for the ops, shapes and dtypes Mosaic does not take)."""
@@ -186,11 +191,7 @@ def _measure(shape, rows):
     """Append the rows of one shape to ``rows`` (in place, so a failure keeps earlier rows)."""
     name, d_in, d_out, r, tokens, mode = shape
     kernel, a, b, m, bias, xs, dys = _inputs(d_in, d_out, r, tokens, seed=0)
-    norm = None
-    if mode == "infer":
-        norm = jax.block_until_ready(
-            jax.jit(factored_norm, static_argnums=3)(kernel, a, b, SCALING)
-        )
+    norm = frozen_norm(kernel, a, b) if mode == "infer" else None
     auto = resolved_impls((tokens, d_in), (d_in, d_out), r)
     auto_str = ",".join(f"{k}={v}" for k, v in auto.items())
     alias = _auto_alias((tokens, d_in), (d_in, d_out), r)
