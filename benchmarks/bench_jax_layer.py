@@ -125,6 +125,10 @@ def _auto_alias(x_shape, kernel_shape, r) -> str | None:
     return None
 
 
+#: Every provider ``_providers`` builds (``ours_auto`` aside), in its order.
+PROVIDER_NAMES = ("lora", "naive_dora", "ours_xla", "ours_mosaic")
+
+
 def _providers(kernel, a, b, m, bias, norm, with_auto):
     """name -> (fn(x, *trainable), trainable tuple). Baselines get bf16 adapters."""
     a16, b16, m16 = a.astype(BF16), b.astype(BF16), m.astype(BF16)
@@ -147,6 +151,7 @@ def _providers(kernel, a, b, m, bias, norm, with_auto):
         "ours_xla": ours("xla"),
         "ours_mosaic": ours("mosaic"),  # the Mosaic GPU compose, XLA for the other ops
     }
+    assert tuple(provs) == PROVIDER_NAMES
     if with_auto:
         provs["ours_auto"] = ours("auto")
     if PROVIDERS:

@@ -62,13 +62,12 @@ def one_call(shape_name: str, provider: str, kind: str, *, dry: bool = False) ->
         raise ValueError(f"shape must be one of {sorted(shapes)}; got {shape_name!r}")
     if kind not in ("fwd", "grad"):
         raise ValueError(f"kind must be 'fwd' or 'grad'; got {kind!r}")
+    if provider not in bj.PROVIDER_NAMES:
+        raise ValueError(f"provider must be one of {bj.PROVIDER_NAMES}; got {provider!r}")
     _, d_in, d_out, r, tokens, mode = shapes[shape_name]
     kernel, a, b, m, bias, xs, dys = bj._inputs(d_in, d_out, r, tokens, seed=0)
     norm = bj.frozen_norm(kernel, a, b) if mode == "infer" else None
-    provs = bj._providers(kernel, a, b, m, bias, norm, with_auto=False)
-    if provider not in provs:
-        raise ValueError(f"provider must be one of {sorted(provs)}; got {provider!r}")
-    f, params = provs[provider]
+    f, params = bj._providers(kernel, a, b, m, bias, norm, with_auto=False)[provider]
     fn = bj._fwd(f) if kind == "fwd" else bj._grad(f)
     args = (xs[0], *params) if kind == "fwd" else (xs[0], dys[0], *params)
     jax.block_until_ready(fn(*args))  # compile + warm-up, outside the range
