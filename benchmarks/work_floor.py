@@ -78,12 +78,14 @@ def pass_bytes(d_in: int, d_out: int, tokens: int, itemsize: int = 2) -> int:
     return (d_in * d_out + 3 * tokens * d_out) * itemsize
 
 
-def pass_floor(lora_ms: float, layer: Layer, tb_per_s: float = COPY_TB_PER_S) -> float:
-    """The lowest fwd+bwd ratio to LoRA's measured time when the passes, not the FLOPs, add
-    the time: LoRA's time, plus ``pass_bytes`` at ``tb_per_s``, plus the norm's FLOPs at
-    ``GEMM_TFLOPS``."""
-    extra_ms = pass_bytes(layer.d_in, layer.d_out, layer.tokens) / (tb_per_s * 1e12) * 1e3
-    return (lora_ms + extra_ms + layer.norm() / (GEMM_TFLOPS * 1e12) * 1e3) / lora_ms
+def pass_floor(lora_ms: float, *layers: Layer, tb_per_s: float = COPY_TB_PER_S) -> float:
+    """The lowest fwd+bwd ratio to LoRA's measured time (over ``layers``) when the passes, not
+    the FLOPs, add the time: LoRA's time, plus every layer's ``pass_bytes`` at ``tb_per_s``,
+    plus its norm's FLOPs at ``GEMM_TFLOPS``."""
+    nbytes = sum(pass_bytes(x.d_in, x.d_out, x.tokens) for x in layers)
+    flops = sum(x.norm() for x in layers)
+    extra_ms = (nbytes / (tb_per_s * 1e12) + flops / (GEMM_TFLOPS * 1e12)) * 1e3
+    return (lora_ms + extra_ms) / lora_ms
 
 
 #: (d_out, d_in) of a Llama-8B decoder layer's seven projections (q, k, v, o, gate, up, down).
@@ -93,9 +95,29 @@ LLAMA_8B_PROJECTIONS = (
 )  # fmt: skip
 
 
+def model_layers(r: int, tokens: int = 0, layers: int = 8) -> list[Layer]:
+    """Every adapted projection of the benches' model (8 Llama-8B decoder layers)."""
+    return [Layer(i, o, r, tokens) for o, i in LLAMA_8B_PROJECTIONS] * layers
+
+
 def model_norm_flops(r: int, layers: int = 8) -> int:
     """The norm's FLOPs per training step of the benches' model (all seven projections)."""
-    return layers * sum(Layer(i, o, r, 0).norm() for o, i in LLAMA_8B_PROJECTIONS)
+    return sum(x.norm() for x in model_layers(r, layers=layers))
+
+
+def model_train_ms(csv_name: str, provider: str, rank: int, mode: str = "compile") -> float:
+    """``train_ms`` of one row (batch 1, AdamW foreach) of a ``bench_model_torch`` CSV."""
+    with open(RESULTS / csv_name, newline="") as f:
+        for row in csv.DictReader(f):
+            if (row["provider"], row["mode"], row["optim"], row["rank"], row["batch"]) == (
+                provider, mode, "foreach", str(rank), "1"
+            ):  # fmt: skip
+                return float(row["train_ms"])
+    raise KeyError(f"no {provider} {mode} r={rank} batch-1 row in {csv_name}")
+
+
+#: Issue 10's compiled batch-1 step (≤ 1.10× compiled PEFT LoRA): rank → the run measuring it.
+TORCH_COMPILED_TARGETS = ((16, "model_torch_run41.csv"), (384, "model_torch_run52.csv"))
 
 
 def time_floor(lora_ms: float, norm_flops: int, tflops: float) -> float:
@@ -143,6 +165,15 @@ def main() -> None:
         f"their own {pass_floor(lora, layer):.3f}×, ours {ours / lora:.3f}× "
         "(torch_layer_run25.csv)"
     )
+    for r, csv_name in TORCH_COMPILED_TARGETS:
+        lora = model_train_ms(csv_name, "peft_lora_bf16", r)
+        ours = model_train_ms(csv_name, "ours_bf16", r)
+        print(
+            f"torch model, compiled step, batch 1 × 2048, r = {r} (issue 10; target ≤ 1.10×): "
+            f"PEFT LoRA {lora:.2f} ms, floor with the norm and the passes "
+            f"{pass_floor(lora, *model_layers(r, tokens=2048)):.3f}×, ours {ours / lora:.3f}× "
+            f"({csv_name})"
+        )
     for r in (16, 384):
         flops = model_norm_flops(r)
         print(

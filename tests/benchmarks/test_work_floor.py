@@ -44,3 +44,25 @@ def test_pass_floor_counts_w_once_and_three_activation_passes():
     # 1 ms of LoRA; bytes at 1 TB/s; the norm's FLOPs at GEMM_TFLOPS
     extra = wf.pass_bytes(1000, 500, 10) / 1e12 * 1e3 + layer.norm() / (wf.GEMM_TFLOPS * 1e9)
     assert wf.pass_floor(1.0, layer, tb_per_s=1.0) == pytest.approx(1.0 + extra)
+
+
+def test_pass_floor_over_several_layers_adds_each_layers_work():
+    a, b = wf.Layer(100, 50, 2, 10), wf.Layer(50, 200, 2, 10)
+    one = wf.pass_floor(1.0, a, tb_per_s=1.0) - 1.0
+    two = wf.pass_floor(1.0, b, tb_per_s=1.0) - 1.0
+    assert wf.pass_floor(1.0, a, b, tb_per_s=1.0) == pytest.approx(1.0 + one + two)
+
+
+def test_the_model_is_eight_llama_layers_of_seven_projections():
+    layers = wf.model_layers(16, tokens=2048)
+    assert len(layers) == 56 and sum(x.d_out for x in layers) == 8 * 43008
+    assert wf.model_norm_flops(16) == sum(x.norm() for x in layers)
+
+
+def test_the_cited_compiled_runs_hold_both_rows():
+    for r, csv_name in wf.TORCH_COMPILED_TARGETS:
+        assert wf.model_train_ms(csv_name, "ours_bf16", r) > wf.model_train_ms(
+            csv_name, "peft_lora_bf16", r
+        )
+    with pytest.raises(KeyError, match="no ours_bf16"):
+        wf.model_train_ms("model_torch_run52.csv", "ours_bf16", 16)
