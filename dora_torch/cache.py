@@ -16,6 +16,13 @@ the module enters eval mode, after ``load_state_dict``, after every optimizer st
 ``clear_caches`` and by eager calls that recompute the norm. A compiled (or CUDA-graphed)
 eval-mode forward reads that buffer at a fixed address.
 
+With ``config.COMPILED_BASE_SQ_BUFFER`` on, every module also keeps ‖W‖² in a second buffer
+(``DORA_BASE_SQ_BUFFER``), the cache's own tensor, so eager recomputations update it in place;
+it is re-pointed at the cache's value at attach time, after ``load_state_dict``, by
+``clear_caches`` and after every optimizer step. Compiled training graphs read it instead of
+reducing W again (W is frozen); a write to W between two optimizer steps is not seen by a
+compiled graph until the next of those events (docs/design.md §8, rule 5).
+
 Not detectable (documented limitation): writes that bypass both the version counter and
 ``torch.optim`` — ``p.data.copy_(...)``, or an optimizer that is not a ``torch.optim.Optimizer``.
 After such writes call ``dora_torch.clear_caches(model)``.
@@ -28,16 +35,21 @@ import weakref
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from . import checks
+from . import checks, config
 from .dispatch import FUSED_DTYPES
+from .matmul import compute_dtype
 from .norm import base_sq_norm, detached_norm
 
 #: Name of the non-persistent buffer that holds the eval-mode norm on each DoRA module.
 DORA_NORM_BUFFER = "dora_norm"
+#: Name of the non-persistent buffer that holds ‖W‖² for compiled training graphs.
+DORA_BASE_SQ_BUFFER = "dora_base_sq"
 
 _optimizer_steps = 0
 #: Modules in eval mode whose norm buffer must follow optimizer steps (weak: no leak).
 _eval_modules: weakref.WeakSet = weakref.WeakSet()
+#: Every module with a cache: their ‖W‖² buffers are re-pointed after optimizer steps.
+_cached_modules: weakref.WeakSet = weakref.WeakSet()
 
 
 def optimizer_steps() -> int:
@@ -50,6 +62,9 @@ def _count_step(_optimizer, _args, _kwargs) -> None:
     _optimizer_steps += 1
     for module in list(_eval_modules):
         refresh_norm_buffer(module)
+    if config.COMPILED_BASE_SQ_BUFFER:
+        for module in list(_cached_modules):
+            refresh_base_sq_buffer(module)
 
 
 register_optimizer_step_post_hook(_count_step)
@@ -191,24 +206,30 @@ def attach(module: torch.nn.Module, tensors) -> NormCache:
     cache = NormCache()
     module._dora_norm_cache = cache
     module._dora_tensors = tensors
-    if DORA_NORM_BUFFER not in module._buffers:
-        module.register_buffer(DORA_NORM_BUFFER, torch.empty(0), persistent=False)
+    for name in (DORA_NORM_BUFFER, DORA_BASE_SQ_BUFFER):
+        if name not in module._buffers:
+            module.register_buffer(name, torch.empty(0), persistent=False)
     module._dora_load_hook = module.register_load_state_dict_post_hook(_after_load)
+    _cached_modules.add(module)
     track_mode(module)
+    refresh_base_sq_buffer(module)
     return cache
 
 
 def _after_load(module: torch.nn.Module, _incompatible_keys) -> None:
     refresh_norm_buffer(module)
+    refresh_base_sq_buffer(module)
 
 
 def detach_cache(module: torch.nn.Module) -> None:
     """Undo ``attach``."""
     _eval_modules.discard(module)
+    _cached_modules.discard(module)
     handle = module.__dict__.pop("_dora_load_hook", None)
     if handle is not None:
         handle.remove()
     module._buffers.pop(DORA_NORM_BUFFER, None)
+    module._buffers.pop(DORA_BASE_SQ_BUFFER, None)
     module.__dict__.pop("_dora_norm_cache", None)
     module.__dict__.pop("_dora_tensors", None)
 
@@ -243,6 +264,36 @@ def refresh_norm_buffer(module: torch.nn.Module) -> None:
         tier = "fused" if impl != "eager" and fused_ok else "eager"
         n = cache.norm(weight, lora_A, lora_B, scaling, impl=tier)
         write_norm_buffer(module, n)
+
+
+@torch.no_grad()
+def refresh_base_sq_buffer(module: torch.nn.Module) -> None:
+    """Point the module's ‖W‖² buffer at the cache's value for W as it is now (recomputed
+    only when W changed), when ``config.COMPILED_BASE_SQ_BUFFER`` is on. The buffer is the
+    cache's tensor itself, so eager recomputations write it in place and nothing is copied
+    per step. Sharded weights (FSDP2 at rest) leave it empty: their graphs reduce W."""
+    cache = module_cache(module)
+    if cache is None or not config.COMPILED_BASE_SQ_BUFFER:
+        return
+    found = module._dora_tensors(module)
+    if found is None or _is_sharded(found[0]):
+        return
+    with torch.inference_mode(False):
+        base_sq = cache.base_sq(found[0])
+    if module._buffers.get(DORA_BASE_SQ_BUFFER) is not base_sq:
+        module._buffers[DORA_BASE_SQ_BUFFER] = base_sq
+
+
+def compiled_base_sq(module: torch.nn.Module, weight: torch.Tensor) -> torch.Tensor | None:
+    """The ‖W‖² a compiled training graph reads (``config.COMPILED_BASE_SQ_BUFFER``), or None
+    to reduce W in the graph: never refreshed, or of another shape or dtype than W's."""
+    if not config.COMPILED_BASE_SQ_BUFFER:
+        return None
+    buf = module._buffers.get(DORA_BASE_SQ_BUFFER)
+    want = (weight.shape[0],)
+    if buf is None or tuple(buf.shape) != want or buf.dtype != compute_dtype(weight.dtype):
+        return None
+    return buf
 
 
 def _is_sharded(t: torch.Tensor) -> bool:
@@ -286,5 +337,6 @@ def clear_caches(model: torch.nn.Module) -> int:
             continue
         cache.clear()
         refresh_norm_buffer(module)
+        refresh_base_sq_buffer(module)
         count += 1
     return count

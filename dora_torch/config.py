@@ -47,6 +47,12 @@ FAST_TRITON_LAUNCH = True
 #: CUDA-graph replay per parameter update (``norm_group``); False = layer by layer.
 NORM_GROUP_GRAPHS = True
 
+#: Compiled training graphs read ‖W‖² from the module's ``dora_base_sq`` buffer (kept by
+#: ``dora_torch.cache``, refreshed eagerly) instead of recomputing it from W in every step,
+#: which reads W once more where the one-pass norm does not run (r > ``NORM_PASS_MAX_RANK``).
+#: Off until measured (benchmarks/NOTES.md, session 15); its limit: docs/design.md §8, rule 5.
+COMPILED_BASE_SQ_BUFFER = False
+
 #: Triton picks interpreter or compiler when a kernel is decorated (at import), so the
 #: environment is read once, here; set TRITON_INTERPRET=1 before importing dora_torch.
 _INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"

@@ -219,6 +219,9 @@ def prepare_fsdp(model: nn.Module, *, param_dtype: torch.dtype | None = None) ->
         buf = module._buffers.get(cache.DORA_NORM_BUFFER)
         if isinstance(buf, DTensor):  # written by an eval() before this call
             module._buffers[cache.DORA_NORM_BUFFER] = torch.empty(0, device=buf.device)
+        base_buf = module._buffers.get(cache.DORA_BASE_SQ_BUFFER)
+        if base_buf is not None and base_buf.numel():  # its graphs reduce W per all-gather
+            module._buffers[cache.DORA_BASE_SQ_BUFFER] = torch.empty(0, device=base_buf.device)
         found = _tensors(module)
         if found is None:
             continue

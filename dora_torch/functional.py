@@ -7,7 +7,13 @@ import torch
 import torch.nn.functional as F
 
 from . import checks, ops
-from .cache import DORA_NORM_BUFFER, NormCache, detached_cast, write_norm_buffer
+from .cache import (
+    DORA_NORM_BUFFER,
+    NormCache,
+    compiled_base_sq,
+    detached_cast,
+    write_norm_buffer,
+)
 from .config import EPS
 from .dispatch import resolve_impl
 from .matmul import compute_dtype
@@ -84,7 +90,8 @@ def module_dora_linear(
     calls take the norm, ‖W‖² and the adapter casts from the cache (computed once per
     parameter update). Compiled graphs cannot run the cache's checks: in eval mode they read
     the module's norm buffer (refreshed eagerly, ``dora_torch.cache``); in training mode they
-    compute the norm in the graph. Returns (y, tier)."""
+    compute the norm in the graph, from the ‖W‖² buffer when ``config.COMPILED_BASE_SQ_BUFFER``
+    is on. Returns (y, tier)."""
     checks.check_input(x, weight)
     compiling = torch.compiler.is_compiling()
     if exact_norm_grad:
@@ -99,9 +106,10 @@ def module_dora_linear(
             norm.shape != magnitude.shape or norm.dtype != compute_dtype(weight.dtype)
         ):
             norm = None  # never refreshed, or cast by module.to(dtype): compute it here
+        base_sq = compiled_base_sq(module, weight) if norm is None else None
         return _dora_linear(
             x, weight, lora_A, lora_B, magnitude, scaling, bias, dropout_p=dropout_p,
-            training=training, impl=impl, norm=norm,
+            training=training, impl=impl, norm=norm, base_sq=base_sq,
         )  # fmt: skip
     tier = resolve_impl(impl, x, weight.shape[0])
     if torch.is_autocast_enabled(x.device.type):  # the activation dtype is chosen inside

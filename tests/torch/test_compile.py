@@ -175,3 +175,61 @@ def test_compiled_backward_accumulates_dx_in_place(dropout):
     code = bw.code
     assert "dora_torch.addmm_into" in code
     assert "aten.addmm." not in code
+
+
+def _compiled_train_graphs(layer, x):
+    """(compiled training output, its forward graph's code) of ``layer`` on ``x``."""
+    from torch._dynamo.testing import AotEagerAndRecordGraphs
+
+    backend = AotEagerAndRecordGraphs()
+    y = torch.compile(layer, fullgraph=True, backend=backend)(x)
+    return y, "\n".join(g.code for g in backend.fw_graphs)
+
+
+@pytest.mark.parametrize("buffer", [False, True])
+def test_compiled_training_reads_the_base_sq_buffer_only_when_switched_on(monkeypatch, buffer):
+    """``config.COMPILED_BASE_SQ_BUFFER``: the compiled training graph takes ‖W‖² from the
+    module's buffer instead of reducing W (off: it reduces W, as before), with the same
+    output as an uncached eager call, across optimizer steps of every kind of update."""
+    from dora_torch import config
+
+    monkeypatch.setattr(config, "COMPILED_BASE_SQ_BUFFER", buffer)
+    torch._dynamo.reset()
+    layer = _layer().train()  # built with the switch as set: attach fills the buffer
+    assert layer.dora_base_sq.numel() == (20 if buffer else 0)
+    x = torch.randn(5, 24)
+    opt = torch.optim.AdamW([p for p in layer.parameters() if p.requires_grad], lr=0.05)
+    for _ in range(3):
+        opt.zero_grad()
+        y, code = _compiled_train_graphs(layer, x)
+        torch.testing.assert_close(y, uncached_output(layer, x), rtol=1e-6, atol=1e-6)
+        assert ("linalg_vector_norm" in code) is not buffer
+        y.square().mean().backward()
+        opt.step()
+
+
+def test_compiled_training_base_sq_follows_loads_and_steps_and_its_limit(monkeypatch):
+    """The buffer follows load_state_dict (post-hook) and optimizer steps. Its documented
+    limit (docs/design.md §8, rule 5): an in-place write to the frozen W between steps is
+    seen by a compiled training graph only after the next optimizer step (or clear_caches)."""
+    from dora_torch import config
+
+    monkeypatch.setattr(config, "COMPILED_BASE_SQ_BUFFER", True)
+    torch._dynamo.reset()
+    layer, other = _layer(0).train(), _layer(1)
+    x = torch.randn(4, 24)
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    with torch.no_grad():
+        compiled(x)
+        layer.load_state_dict(other.state_dict())
+        torch.testing.assert_close(compiled(x), uncached_output(layer, x), rtol=1e-6, atol=1e-6)
+        layer.weight.mul_(1.5)
+        assert not torch.allclose(compiled(x), uncached_output(layer, x))
+    opt = torch.optim.SGD([layer.lora_A], lr=0.0)
+    layer.lora_A.grad = torch.zeros_like(layer.lora_A)
+    opt.step()
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), uncached_output(layer, x), rtol=1e-6, atol=1e-6)
+        layer.weight.mul_(0.5)
+        dora_torch.clear_caches(layer)
+        torch.testing.assert_close(compiled(x), uncached_output(layer, x), rtol=1e-6, atol=1e-6)

@@ -13,10 +13,10 @@ import dora_torch
 pytestmark = pytest.mark.gpu
 
 
-def _layer(dtype, seed=0, bias=False):
+def _layer(dtype, seed=0, bias=False, r=16):
     torch.manual_seed(seed)
     base = nn.Linear(256, 192, bias=bias, device="cuda", dtype=dtype)
-    layer = dora_torch.Linear.from_linear(base, r=16, lora_alpha=24, impl="fused")
+    layer = dora_torch.Linear.from_linear(base, r=r, lora_alpha=24, impl="fused")
     with torch.no_grad():
         layer.lora_B.normal_(0, 0.05)
     return layer
@@ -76,3 +76,25 @@ def test_compiled_training_with_fused_adamw_and_compiled_eval_stay_fresh(mode):
         # the eval graph read the refreshed buffer, not a norm from an earlier step
         n = dora_torch.factored_norm(layer.weight, layer.lora_A, layer.lora_B, layer.scaling)
         torch.testing.assert_close(layer.dora_norm, n, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("r", [16, 64])  # the one-pass norm and the GEMM norm
+def test_compiled_training_reading_the_base_sq_buffer_matches_eager(monkeypatch, r):
+    """``config.COMPILED_BASE_SQ_BUFFER`` on: Inductor's training graph reads ‖W‖² from the
+    module's buffer, and four AdamW steps stay with an eager twin's."""
+    from dora_torch import config
+
+    monkeypatch.setattr(config, "COMPILED_BASE_SQ_BUFFER", True)
+    torch._dynamo.reset()
+    layer, twin = _layer(torch.bfloat16, r=r), _layer(torch.bfloat16, r=r)
+    assert layer.dora_base_sq.numel() == 192
+    compiled = torch.compile(layer, fullgraph=True)
+    opts = [torch.optim.AdamW(_params(m), lr=1e-2, fused=True) for m in (layer, twin)]
+    x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)
+    for _ in range(4):
+        for run, opt in zip((compiled, twin), opts):
+            opt.zero_grad(set_to_none=True)
+            run(x).float().square().mean().backward()
+            opt.step()
+        for a, b in zip(_params(layer), _params(twin)):
+            torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
