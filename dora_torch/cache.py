@@ -18,8 +18,9 @@ eval-mode forward reads that buffer at a fixed address.
 
 With ``config.COMPILED_BASE_SQ_BUFFER`` on, every module also keeps ‖W‖² in a second buffer
 (``DORA_BASE_SQ_BUFFER``), the cache's own tensor, so eager recomputations update it in place;
-it is re-pointed at the cache's value at attach time, after ``load_state_dict``, by
-``clear_caches`` and after every optimizer step. Compiled training graphs read it instead of
+it is re-pointed at the cache's value at attach time, on train/eval switches and
+``dora_torch.Linear.unmerge``, after ``load_state_dict``, by ``clear_caches`` and after every
+optimizer step. Compiled training graphs read it instead of
 reducing W again (W is frozen); a write to W between two optimizer steps is not seen by a
 compiled graph until the next of those events (docs/design.md §8, rule 5).
 
@@ -212,7 +213,6 @@ def attach(module: torch.nn.Module, tensors) -> NormCache:
     module._dora_load_hook = module.register_load_state_dict_post_hook(_after_load)
     _cached_modules.add(module)
     track_mode(module)
-    refresh_base_sq_buffer(module)
     return cache
 
 
@@ -242,6 +242,7 @@ def track_mode(module: torch.nn.Module) -> None:
     else:
         _eval_modules.add(module)
         refresh_norm_buffer(module)
+    refresh_base_sq_buffer(module)
 
 
 @torch.no_grad()

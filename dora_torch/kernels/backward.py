@@ -251,8 +251,8 @@ def scale_reduce(
 
     ``saved`` is inner, or y when ``recover``; then x [T, d_in], weight [d_out, d_in], h [T, r]
     and lora_B [d_out, r] (activation dtype) and ``scaling`` are needed too, to recompute inner
-    for columns with magnitude exactly 0. ``reduce_config`` overrides ``config.BWD`` (the
-    benchmark sweeps candidates).
+    for columns with g = 0 (magnitude 0, or m / n below fp32's range). ``reduce_config``
+    overrides ``config.BWD`` (the benchmark sweeps candidates).
     """
     check_launchable(dy, saved)
     magnitude, norm = unit_stride(magnitude, norm)

@@ -209,7 +209,8 @@ def test_compiled_training_reads_the_base_sq_buffer_only_when_switched_on(monkey
 
 
 def test_compiled_training_base_sq_follows_loads_and_steps_and_its_limit(monkeypatch):
-    """The buffer follows load_state_dict (post-hook) and optimizer steps. Its documented
+    """The buffer follows load_state_dict (post-hook), optimizer steps, clear_caches and mode
+    switches. Its documented
     limit (docs/design.md §8, rule 5): an in-place write to the frozen W between steps is
     seen by a compiled training graph only after the next optimizer step (or clear_caches)."""
     from dora_torch import config
@@ -232,4 +233,7 @@ def test_compiled_training_base_sq_follows_loads_and_steps_and_its_limit(monkeyp
         torch.testing.assert_close(compiled(x), uncached_output(layer, x), rtol=1e-6, atol=1e-6)
         layer.weight.mul_(0.5)
         dora_torch.clear_caches(layer)
+        torch.testing.assert_close(compiled(x), uncached_output(layer, x), rtol=1e-6, atol=1e-6)
+        layer.weight.mul_(0.5)
+        layer.train()  # a mode switch (here to the mode it had) refreshes it too
         torch.testing.assert_close(compiled(x), uncached_output(layer, x), rtol=1e-6, atol=1e-6)
