@@ -279,8 +279,7 @@ def refresh_base_sq_buffer(module: torch.nn.Module) -> None:
     found = module._dora_tensors(module)
     if found is None or _is_sharded(found[0]):
         return
-    with torch.inference_mode(False):
-        base_sq = cache.base_sq(found[0])
+    base_sq = cache.base_sq(found[0])  # leaves inference mode itself when it recomputes
     if module._buffers.get(DORA_BASE_SQ_BUFFER) is not base_sq:
         module._buffers[DORA_BASE_SQ_BUFFER] = base_sq
 

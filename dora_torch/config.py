@@ -50,8 +50,7 @@ NORM_GROUP_GRAPHS = True
 #: Compiled training graphs read ‖W‖² from the module's ``dora_base_sq`` buffer (kept by
 #: ``dora_torch.cache``, refreshed eagerly) instead of recomputing it from W in every step,
 #: which reads W once more where the one-pass norm does not run (r > ``NORM_PASS_MAX_RANK``).
-#: On since runs 55-57 (benchmarks/NOTES.md, session 16); False = reduce W in every compiled
-#: step. Its limit: docs/design.md §8, rule 5.
+#: False = reduce W in every compiled step. The buffer's limit: docs/design.md §8, rule 5.
 COMPILED_BASE_SQ_BUFFER = True
 
 #: Triton picks interpreter or compiler when a kernel is decorated (at import), so the
