@@ -69,6 +69,7 @@ PROVIDERS = {
     "ours_bf16": (True, False, True),
 }
 MODES = ("eager", "compile", "reduce-overhead")
+TRACE_STEP = "train_step"  # the profiler range around each profiled step
 OPTIMS = ("foreach", "fused")
 WARMUP = {"eager": 3, "compile": 4, "reduce-overhead": 6}
 ITERS = 10
@@ -238,10 +239,15 @@ def profile_train(
     model, run, ids, path: pathlib.Path, mode: str = "eager", optim: str = "foreach"
 ) -> None:
     """torch.profiler tables (device and host time per op) of 3 training steps of ``run``
-    (``model`` itself or its compiled form, already warm), and every op and kernel of them
-    as CSV beside ``path`` (``.csv``: calls and self times, to diff two providers)."""
+    (``model`` itself or its compiled form, already warm), every op and kernel of them as CSV
+    beside ``path`` (``.csv``: calls and self times, to diff two providers) and their
+    timeline (``.trace.json.gz``, Chrome trace format; ``benchmarks.trace_gaps`` lists where
+    the GPU waits for the host)."""
+    import gzip
+    import shutil
+
     import torch
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity, profile, record_function
 
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-6, foreach=optim == "foreach", fused=optim == "fused")
@@ -258,8 +264,14 @@ def profile_train(
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(3):
-            step()
+            with record_function(TRACE_STEP):
+                step()
         torch.cuda.synchronize()
+    trace = path.with_suffix(".trace.json")
+    prof.export_chrome_trace(str(trace))
+    with trace.open("rb") as src, gzip.open(f"{trace}.gz", "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    trace.unlink()
     ka = prof.key_averages()
     write_csv(
         path.with_suffix(".csv"),
@@ -330,6 +342,11 @@ def _meta() -> dict:
         "commit": code_version(),
         "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__,
+        # Inductor settings from the environment (e.g. TORCHINDUCTOR_STATIC_LAUNCH_...): A/Bs
+        # of compiled rows differ only here
+        "inductor_env": " ".join(
+            f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("TORCHINDUCTOR_")
+        ),
     }
 
 

@@ -12,9 +12,10 @@ calls between two optimizer steps pay for the norm once.
 
 Compiled graphs cannot run these Python checks, so modules in eval mode also keep the norm in
 a registered buffer (``DORA_NORM_BUFFER``) that is refreshed eagerly, outside any graph: when
-the module enters eval mode, after ``load_state_dict``, after every optimizer step, by
-``clear_caches`` and by eager calls that recompute the norm. A compiled (or CUDA-graphed)
-eval-mode forward reads that buffer at a fixed address.
+the module enters eval mode, after ``load_state_dict``, after every optimizer step (one
+norm-group replay for a model's layers), by ``clear_caches`` and by eager calls that
+recompute the norm. A compiled (or CUDA-graphed) eval-mode forward reads that buffer at a
+fixed address.
 
 With ``config.COMPILED_BASE_SQ_BUFFER`` on, every module also keeps ‖W‖² in a second buffer
 (``DORA_BASE_SQ_BUFFER``), the cache's own tensor, so eager recomputations update it in place;
@@ -23,6 +24,9 @@ it is re-pointed at the cache's value at attach time, on train/eval switches and
 optimizer step. Compiled training graphs read it instead of
 reducing W again (W is frozen); a write to W between two optimizer steps is not seen by a
 compiled graph until the next of those events (docs/design.md §8, rule 5).
+
+Parameters created under ``torch.inference_mode`` are inference tensors, without a version
+counter: values computed from them are never reused (the norm is computed in every call).
 
 Not detectable (documented limitation): writes that bypass both the version counter and
 ``torch.optim`` — ``p.data.copy_(...)``, or an optimizer that is not a ``torch.optim.Optimizer``.
@@ -47,9 +51,7 @@ DORA_NORM_BUFFER = "dora_norm"
 DORA_BASE_SQ_BUFFER = "dora_base_sq"
 
 _optimizer_steps = 0
-#: Modules in eval mode whose norm buffer must follow optimizer steps (weak: no leak).
-_eval_modules: weakref.WeakSet = weakref.WeakSet()
-#: Every module with a cache: their ‖W‖² buffers are re-pointed after optimizer steps.
+#: Every module with a cache (weak: no leak): their buffers follow optimizer steps.
 _cached_modules: weakref.WeakSet = weakref.WeakSet()
 
 
@@ -61,32 +63,61 @@ def optimizer_steps() -> int:
 def _count_step(_optimizer, _args, _kwargs) -> None:
     global _optimizer_steps
     _optimizer_steps += 1
-    for module in list(_eval_modules):
-        refresh_norm_buffer(module)
-    if config.COMPILED_BASE_SQ_BUFFER:
-        for module in list(_cached_modules):
-            refresh_base_sq_buffer(module)
+    refresh_buffers(list(_cached_modules))
 
 
 register_optimizer_step_post_hook(_count_step)
 
 
+def keeps_norm_buffer(module: torch.nn.Module) -> bool:
+    """Whether compiled graphs of ``module`` read its norm buffer, which must then follow
+    every update: in eval mode (training graphs compute the norm themselves)."""
+    return not module.training
+
+
+def refresh_buffers(modules) -> None:
+    """Bring the norm buffers (of modules that keep one) and ‖W‖² buffers of ``modules`` up to
+    date after an update: one ``NormGroup.refresh_buffers`` per group with such a member
+    (one replay for all its layers), then module by module what no group covered."""
+    groups = []
+    for module in modules:
+        norm_cache = module_cache(module)
+        group = None if norm_cache is None else norm_cache.group
+        if group is not None and keeps_norm_buffer(module) and all(g is not group for g in groups):
+            groups.append(group)
+    done = {id(m) for group in groups for m in group.refresh_buffers()}
+    for module in modules:
+        if id(module) not in done:
+            refresh_norm_buffer(module)
+            refresh_base_sq_buffer(module)
+
+
 class _Stamp:
-    """Identity + version of one tensor at the time a value was computed."""
+    """Identity + version of one tensor at the time a value was computed. An inference tensor
+    (created under ``torch.inference_mode``) has no version counter, so an in-place write to
+    it could not be seen: its stamp never matches, and values computed from it are never
+    reused."""
 
     __slots__ = ("meta", "ref")
 
     def __init__(self, t: torch.Tensor):
         self.ref = weakref.ref(t)
-        self.meta = (t.data_ptr(), t._version, t.shape, t.dtype, t.device)
+        self.meta = (
+            None if t.is_inference() else (t.data_ptr(), t._version, t.shape, t.dtype, t.device)
+        )
 
     def matches(self, t: torch.Tensor) -> bool:
-        return self.ref() is t and self.meta == (
-            t.data_ptr(),
-            t._version,
-            t.shape,
-            t.dtype,
-            t.device,
+        return (
+            self.meta is not None
+            and self.ref() is t
+            and self.meta
+            == (
+                t.data_ptr(),
+                t._version,
+                t.shape,
+                t.dtype,
+                t.device,
+            )
         )
 
 
@@ -122,12 +153,7 @@ class NormCache:
         # Written into the previous buffer when it fits: a captured norm group (CUDA graph)
         # reads ‖W‖² at that address, so a changed W does not force a new capture.
         old = None if self._base is None else self._base[1]
-        if (
-            old is not None
-            and old is not base_sq
-            and type(old) is type(base_sq)
-            and (old.shape, old.dtype, old.device) == (base_sq.shape, base_sq.dtype, base_sq.device)
-        ):
+        if old is not base_sq and fits(old, base_sq):
             old.copy_(base_sq)
             base_sq = old
         self._base = (_Stamp(weight), base_sq)
@@ -163,7 +189,9 @@ class NormCache:
         # Autocast off: the entry is keyed on the tensors, not on the caller's context, so it
         # must be the norm of the precision rule (docs/design.md §5) whoever computes it.
         with torch.inference_mode(False), torch.autocast(weight.device.type, enabled=False):
-            if self.group is not None:
+            # Inference tensors are never cached (``_Stamp``), so a group refresh would
+            # recompute every member in every layer's call: they compute alone.
+            if self.group is not None and not _any_inference(weight, lora_A, lora_B):
                 value = self.group.refresh(self, weight, lora_A, lora_B, scaling, impl, dtype)
                 if value is not None:
                     return value
@@ -175,6 +203,10 @@ class NormCache:
     def norm(self, weight, lora_A, lora_B, scaling: float, *, impl: str) -> torch.Tensor:
         """Detached norm [d_out] (shares the entry of ``state`` for W's dtype)."""
         return self.state(weight, lora_A, lora_B, scaling, impl=impl, dtype=weight.dtype)[0]
+
+
+def _any_inference(*tensors: torch.Tensor) -> bool:
+    return any(t.is_inference() for t in tensors)
 
 
 def detached_cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -223,7 +255,6 @@ def _after_load(module: torch.nn.Module, _incompatible_keys) -> None:
 
 def detach_cache(module: torch.nn.Module) -> None:
     """Undo ``attach``."""
-    _eval_modules.discard(module)
     _cached_modules.discard(module)
     handle = module.__dict__.pop("_dora_load_hook", None)
     if handle is not None:
@@ -235,22 +266,20 @@ def detach_cache(module: torch.nn.Module) -> None:
 
 
 def track_mode(module: torch.nn.Module) -> None:
-    """Follow ``module.training``: in eval mode the norm buffer is refreshed now and after
-    every optimizer step; in training mode compiled graphs recompute the norm themselves."""
-    if module.training:
-        _eval_modules.discard(module)
-    else:
-        _eval_modules.add(module)
-        refresh_norm_buffer(module)
+    """Follow ``module.training``: a module that keeps a norm buffer (``keeps_norm_buffer``)
+    has it refreshed now (and after every optimizer step); otherwise compiled graphs compute
+    the norm themselves."""
+    refresh_norm_buffer(module)
     refresh_base_sq_buffer(module)
 
 
 @torch.no_grad()
 def refresh_norm_buffer(module: torch.nn.Module) -> None:
-    """Recompute (through the cache) the eval-mode norm into the module's buffer, in place
-    when the shape and dtype allow (a CUDA-graph replay keeps reading the same address)."""
+    """Recompute (through the cache) the norm into the buffer of a module that keeps one
+    (``keeps_norm_buffer``), in place when the shape and dtype allow (a CUDA-graph replay
+    keeps reading the same address)."""
     cache = module_cache(module)
-    if cache is None or module.training:
+    if cache is None or not keeps_norm_buffer(module):
         return
     found = module._dora_tensors(module)
     if found is None:
@@ -307,15 +336,22 @@ def _is_sharded(t: torch.Tensor) -> bool:
     return isinstance(t, DTensor)
 
 
-def write_norm_buffer(module: torch.nn.Module, n: torch.Tensor) -> None:
-    buf = module._buffers.get(DORA_NORM_BUFFER)
-    if (
+def fits(buf: torch.Tensor | None, value: torch.Tensor) -> bool:
+    """Whether ``value`` can be copied into ``buf`` in place (same type, shape, dtype and
+    device), which keeps the address a captured graph reads."""
+    return (
         buf is not None
-        and type(buf) is type(n)
-        and buf.shape == n.shape
-        and buf.dtype == n.dtype
-        and buf.device == n.device
-    ):
+        and type(buf) is type(value)
+        and buf.shape == value.shape
+        and buf.dtype == value.dtype
+        and buf.device == value.device
+    )
+
+
+def write_norm_buffer(module: torch.nn.Module, n: torch.Tensor) -> None:
+    """Write ``n`` into the module's norm buffer, in place when it fits."""
+    buf = module._buffers.get(DORA_NORM_BUFFER)
+    if fits(buf, n):
         if buf is not n:
             buf.copy_(n)
     else:

@@ -18,13 +18,18 @@ session 5). A ``NormGroup`` holds the DoRA layers of one model (``accelerate_pef
      so a later replay never changes a tensor that a pending backward saved;
   5. each member's cache records its entry with the tensors' stamps and the current key
      (``cache.NormCache.install``), exactly as its own computation would have, and members
-     in eval mode get their norm buffer written (what compiled eval graphs read).
+     that keep a norm buffer (``cache.keeps_norm_buffer``: what compiled graphs read) get
+     it written, all with one ``torch._foreach_copy_``.
 
-A member is never read stale: the group only runs on a cache miss, recomputes from the
-tensors as they are at that moment, and the entries it installs are validated by the same
-stamps as any other. Nothing is captured while another CUDA graph is being captured, under
-``torch.compile``, on CPU (the group then computes its members eagerly, one by one), or
-with ``config.NORM_GROUP_GRAPHS = False``.
+After each optimizer step the global step hook calls ``refresh_buffers``, which runs the same
+recomputation at once (no cache miss needed) when a member keeps a norm buffer, so compiled
+graphs read fresh buffers without a per-layer refresh.
+
+A member is never read stale: the group only runs on a cache miss or right after an optimizer
+step (which makes every entry stale), recomputes from the tensors as they are at that moment,
+and the entries it installs are validated by the same stamps as any other. Nothing is captured
+while another CUDA graph is being captured, under ``torch.compile``, on CPU (the group then
+computes its members eagerly, one by one), or with ``config.NORM_GROUP_GRAPHS = False``.
 """
 
 from __future__ import annotations
@@ -35,7 +40,17 @@ import weakref
 import torch
 
 from . import config
-from .cache import _is_sharded, compute_state, module_cache, write_norm_buffer
+from .cache import (
+    DORA_BASE_SQ_BUFFER,
+    DORA_NORM_BUFFER,
+    _is_sharded,
+    compute_state,
+    fits,
+    keeps_norm_buffer,
+    module_cache,
+    write_norm_buffer,
+)
+from .dispatch import FUSED_DTYPES
 
 logger = logging.getLogger("dora_torch")
 
@@ -80,15 +95,50 @@ class NormGroup:
         """Recompute every eligible member's (n, a, b) and install it in its cache; return
         the requester's, or None when the requester's call is not one the group computes
         (the caller then computes it alone)."""
-        if impl != "fused" or dtype != weight.dtype or torch.compiler.is_compiling():
+        if impl != "fused" or dtype != weight.dtype or not self._can_run(weight):
             return None
-        graphs = weight.is_cuda and config.NORM_GROUP_GRAPHS and not self._failed
-        if weight.is_cuda and torch.cuda.is_current_stream_capturing():
-            return None  # inside someone else's capture: the per-layer path is captured there
         modules, members = self._eligible(weight)
         mine = next((m for m in members if m[0] is requester), None)
         if mine is None or mine[2] is not lora_A or mine[3] is not lora_B or mine[4] != scaling:
             return None
+        values = self._compute(members, dtype)
+        self._install(modules, members, values, impl, dtype)
+        return values[next(i for i, m in enumerate(members) if m is mine)]
+
+    def refresh_buffers(self) -> list[torch.nn.Module]:
+        """Recompute every eligible member now (after an optimizer step), installing the
+        entries and writing the buffers as ``refresh`` does; also re-point the members' ‖W‖²
+        buffers (``config.COMPILED_BASE_SQ_BUFFER``). Returns the members done, [] when the
+        group computes none (the caller refreshes those module by module)."""
+        weight = None
+        for ref in self._members:
+            module = ref()
+            found = None if module is None else module._dora_tensors(module)
+            if found is not None and found[4] != "eager":
+                weight = found[0]
+                break
+        if weight is None or not (weight.is_cuda and weight.dtype in FUSED_DTYPES):
+            return []
+        if not self._can_run(weight):
+            return []
+        modules, members = self._eligible(weight)
+        if members:
+            values = self._compute(members, weight.dtype)
+            self._install(modules, members, values, "fused", weight.dtype)
+        return modules
+
+    @staticmethod
+    def _can_run(weight: torch.Tensor) -> bool:
+        """Not while tracing, nor inside a CUDA-graph capture."""
+        if torch.compiler.is_compiling():
+            return False
+        # inside someone else's capture: the per-layer path is captured there
+        return not (weight.is_cuda and torch.cuda.is_current_stream_capturing())
+
+    def _compute(self, members, dtype) -> list[tuple]:
+        """(n, a, b) of every member: one replay once the same tensors were seen twice."""
+        weight = members[0][1]
+        graphs = weight.is_cuda and config.NORM_GROUP_GRAPHS and not self._failed
         base = [c.base_sq(w) for c, w, *_ in members]
         signature = (
             (weight.device, dtype),
@@ -104,20 +154,33 @@ class NormGroup:
                 self._graph = None
                 self._seen = signature
         if graphs and self._graph is not None and signature == self._signature:
-            values = self._replay()
-        else:
-            values = [
-                compute_state(w, a, b, q, s, impl, dtype)
-                for (_, w, a, b, s), q in zip(members, base, strict=True)
-            ]
-        result = None
+            return self._replay()
+        return [
+            compute_state(w, a, b, q, s, "fused", dtype)
+            for (_, w, a, b, s), q in zip(members, base, strict=True)
+        ]
+
+    @staticmethod
+    def _install(modules, members, values, impl, dtype) -> None:
+        """Record each member's entry; write the norm buffers compiled graphs read (one
+        foreach copy for those already in place) and re-point the ‖W‖² buffers."""
+        dst, src = [], []
+        base_buffers = config.COMPILED_BASE_SQ_BUFFER
         for (c, w, a, b, s), value, module in zip(members, values, modules, strict=True):
             c.install(w, a, b, s, impl, dtype, value)
-            if not module.training:  # eval mode: compiled graphs read the buffer
-                write_norm_buffer(module, value[0])
-            if c is requester:
-                result = value
-        return result
+            if keeps_norm_buffer(module):
+                n, buf = value[0], module._buffers.get(DORA_NORM_BUFFER)
+                if fits(buf, n):
+                    dst.append(buf)
+                    src.append(n)
+                else:
+                    write_norm_buffer(module, n)
+            if base_buffers:
+                base = c.base_sq(w)  # the entry ``_compute`` refreshed: a stamp check
+                if module._buffers.get(DORA_BASE_SQ_BUFFER) is not base:
+                    module._buffers[DORA_BASE_SQ_BUFFER] = base
+        if dst:
+            torch._foreach_copy_(dst, src)
 
     def _eligible(self, weight: torch.Tensor) -> tuple[list, list[tuple]]:
         """The live members the group computes with ``weight``'s, and (cache, W, A, B, s)

@@ -136,3 +136,47 @@ def test_accelerated_peft_layers_follow_every_step(kind):
             want = model(input_ids=ids).logits
             dora_torch.accelerate_peft(model, impl="eager")
         torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5)
+
+
+def test_modules_built_under_inference_mode_work_and_are_never_stale():
+    """Parameters created under ``torch.inference_mode`` are inference tensors, which have no
+    version counter: such a module computes its norm in every call (an in-place write to them
+    could not be seen otherwise), in training and eval mode, plain or grouped."""
+    from dora_torch.interop.inject import dora_layers, inject
+
+    x = torch.randn(3, 32)
+    with torch.inference_mode():
+        layer = _layer()
+        model = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 16))
+        inject(model, target_modules=["0", "1"], r=4, lora_alpha=8)
+        grouped = list(dora_layers(model).values())
+        layer.lora_B.normal_(0, 0.3)
+        for module in grouped:  # the group computes the fused tier only (Triton interpreter)
+            module.impl = "fused"
+            module.lora_B.normal_(0, 0.3)
+        for mode in (True, False):
+            layer.train(mode)
+            computed = layer._dora_norm_cache.norm_computations
+            torch.testing.assert_close(layer(x), uncached_output(layer, x), rtol=0, atol=0)
+            layer.lora_B.mul_(1.5)  # no version counter: only recomputing sees this
+            torch.testing.assert_close(layer(x), uncached_output(layer, x), rtol=0, atol=0)
+            assert layer._dora_norm_cache.norm_computations == computed + 2
+        before = [m._dora_norm_cache.norm_computations for m in grouped]
+        want = uncached_output(
+            grouped[1], uncached_output(grouped[0], x, impl="fused"), impl="fused"
+        )
+        torch.testing.assert_close(model(x), want, rtol=0, atol=0)
+        # each layer computed its own norm once, not the whole group in every layer's call
+        assert [m._dora_norm_cache.norm_computations for m in grouped] == [n + 1 for n in before]
+
+
+def test_accelerated_peft_model_built_under_inference_mode():
+    from tests.parity.models import peft_dora, tiny_llama, token_ids
+
+    with torch.inference_mode():
+        model = peft_dora(tiny_llama(), target_modules=("q_proj", "v_proj", "down_proj"))
+        model.eval()
+        ids = token_ids(model.config)
+        want = model(input_ids=ids).logits
+        dora_torch.accelerate_peft(model, impl="eager")
+        torch.testing.assert_close(model(input_ids=ids).logits, want, rtol=1e-5, atol=1e-5)

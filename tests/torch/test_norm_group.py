@@ -276,3 +276,33 @@ def test_scalora_merges_keep_the_group_exact():
             torch.testing.assert_close(model(x), _uncached(layers, x), rtol=1e-5, atol=1e-6)
     for layer, q in zip(layers, base_sq, strict=True):
         assert layer._dora_norm_cache.base_sq(layer.weight) is q
+
+
+@gpu
+@pytest.mark.parametrize("mode", [None, "reduce-overhead"])
+def test_step_hook_refreshes_eval_buffers_with_one_replay_on_gpu(mode):
+    """A model in eval mode whose adapters an optimizer updates (inference between updates):
+    after each step the global hook recomputes the whole group with one replay and one
+    foreach copy into the norm buffers, before any forward asks; compiled eval graphs
+    (Inductor, and CUDA graphs) read fresh norms."""
+    torch._dynamo.reset()
+    x = torch.randn(512, 24, device="cuda", dtype=torch.bfloat16)
+    model, layers = _model("cuda", torch.bfloat16, torch.float32)
+    model.eval()  # dropout is 0: the eager steps below are training steps in eval mode
+    compiled = torch.compile(model, fullgraph=True, mode=mode)
+    group = layers[0]._dora_norm_cache.group
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.SGD(params, lr=0.1, momentum=0.9, fused=True)  # no version bumps
+    for _ in range(4):
+        opt.zero_grad(set_to_none=True)
+        model(x).float().square().mean().backward()
+        replays = group.replays
+        opt.step()
+        assert group.replays == replays + 1  # the hook's, with no forward since the step
+        for layer in layers:  # an independent norm, not the cache's
+            n = dora_torch.factored_norm(layer.weight, layer.lora_A, layer.lora_B, layer.scaling)
+            torch.testing.assert_close(layer.dora_norm, n.detach(), rtol=1e-5, atol=0)
+        with torch.no_grad():
+            torch.compiler.cudagraph_mark_step_begin()
+            got = compiled(x).clone()
+            torch.testing.assert_close(got, _uncached(layers, x), rtol=2e-2, atol=2e-2)

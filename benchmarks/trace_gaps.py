@@ -1,0 +1,117 @@
+"""Where the GPU waits for the host: idle gaps of a profiled training step's timeline.
+
+Reads a Chrome trace written by ``bench_model_torch --profile`` (``*.trace.json.gz``: three
+steps, each inside a ``train_step`` range) and reports, per step, the host span, the GPU's
+busy and idle time between the step's first and last kernel, and the idle time grouped by
+what the host was doing when it launched the kernel that ended each gap (the innermost CPU
+op around that launch, and its outermost ancestor inside the step). A step whose idle time
+is large is host-bound; the groups say which host work to cut.
+
+    python3 -m benchmarks.trace_gaps out/bench/profile_ours_bf16_compile_r384_b1.trace.json.gz
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import collections
+import gzip
+import json
+
+from benchmarks.bench_model_torch import TRACE_STEP
+
+GPU_CATS = {"kernel", "gpu_memcpy", "gpu_memset"}
+LAUNCH_CATS = {"cuda_runtime", "cuda_driver"}
+
+
+def load(path: str) -> list[dict]:
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt") as f:
+        return json.load(f)["traceEvents"]
+
+
+def _enclosing(ops: list[dict], starts: list[float], t: float) -> list[dict]:
+    """CPU ops (of one thread, sorted by start) whose span contains time t, outermost first."""
+    out = [op for op in ops[: bisect.bisect_right(starts, t)] if op["ts"] + op.get("dur", 0) >= t]
+    return sorted(out, key=lambda op: (op["ts"], -op.get("dur", 0)))
+
+
+def analyse(events: list[dict], min_gap_us: float = 5.0):
+    steps = sorted(
+        (e for e in events if e.get("name") == TRACE_STEP and e.get("cat") == "user_annotation"),
+        key=lambda e: e["ts"],
+    )
+    kernels = sorted(
+        (e for e in events if e.get("cat") in GPU_CATS and e.get("ph") == "X"),
+        key=lambda e: e["ts"],
+    )
+    launches = {
+        e["args"]["correlation"]: e
+        for e in events
+        if e.get("cat") in LAUNCH_CATS and "correlation" in e.get("args", {})
+    }
+    cpu_ops = collections.defaultdict(list)
+    for e in events:
+        if e.get("cat") in ("cpu_op", "user_annotation", "python_function") and e.get("ph") == "X":
+            cpu_ops[e["tid"]].append(e)
+    for ops in cpu_ops.values():
+        ops.sort(key=lambda op: op["ts"])
+    starts = {tid: [op["ts"] for op in ops] for tid, ops in cpu_ops.items()}
+
+    results = []
+    for step in steps:
+        lo, hi = step["ts"], step["ts"] + step["dur"]
+        mine = []
+        for k in kernels:
+            launch = launches.get(k.get("args", {}).get("correlation"))
+            if launch is not None and lo <= launch["ts"] <= hi:
+                mine.append((k, launch))
+        if not mine:
+            continue
+        busy = idle = 0.0
+        end = mine[0][0]["ts"]
+        by_inner, by_outer = collections.Counter(), collections.Counter()
+        for k, launch in mine:
+            gap = k["ts"] - end
+            if gap > min_gap_us:
+                idle += gap
+                chain = _enclosing(cpu_ops[launch["tid"]], starts[launch["tid"]], launch["ts"])
+                chain = [op for op in chain if op["name"] != TRACE_STEP]
+                by_inner[chain[-1]["name"] if chain else "?"] += gap
+                by_outer[chain[0]["name"] if chain else "?"] += gap
+            busy += max(0.0, k["ts"] + k["dur"] - max(end, k["ts"]))
+            end = max(end, k["ts"] + k["dur"])
+        results.append({
+            "host_ms": step["dur"] / 1e3,
+            "gpu_span_ms": (end - mine[0][0]["ts"]) / 1e3,
+            "gpu_busy_ms": busy / 1e3,
+            "gpu_idle_ms": idle / 1e3,
+            "kernels": len(mine),
+            "idle_by_inner": by_inner,
+            "idle_by_outer": by_outer,
+        })  # fmt: skip
+    return results
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("traces", nargs="+")
+    ap.add_argument("--top", type=int, default=12)
+    ap.add_argument("--min-gap-us", type=float, default=5.0)
+    args = ap.parse_args()
+    for path in args.traces:
+        print(f"== {path}")
+        for i, r in enumerate(analyse(load(path), args.min_gap_us)):
+            print(
+                f"step {i}: host {r['host_ms']:.2f} ms, GPU span {r['gpu_span_ms']:.2f}, busy "
+                f"{r['gpu_busy_ms']:.2f}, idle {r['gpu_idle_ms']:.2f} ms, {r['kernels']} kernels"
+            )
+            groups = (("outermost", r["idle_by_outer"]), ("innermost", r["idle_by_inner"]))
+            for title, counter in groups:
+                print(f"  idle by the {title} host op that launched the next kernel:")
+                for name, us in counter.most_common(args.top):
+                    print(f"    {us / 1e3:8.3f} ms  {name[:100]}")
+
+
+if __name__ == "__main__":
+    main()
