@@ -79,16 +79,20 @@ def refresh_buffers(modules) -> None:
     """Bring the norm buffers (of modules that keep one) and ‖W‖² buffers of ``modules`` up to
     date after an update: one ``NormGroup.refresh_buffers`` per group with such a member
     (one replay for all its layers), then module by module what no group covered."""
-    groups = []
+    groups, pending = [], []  # pending: (module, whether it keeps a norm buffer)
     for module in modules:
         norm_cache = module_cache(module)
-        group = None if norm_cache is None else norm_cache.group
-        if group is not None and keeps_norm_buffer(module) and all(g is not group for g in groups):
+        if norm_cache is None:
+            continue
+        keeps, group = keeps_norm_buffer(module), norm_cache.group
+        if keeps and group is not None and all(g is not group for g in groups):
             groups.append(group)
+        pending.append((module, keeps))
     done = {id(m) for group in groups for m in group.refresh_buffers()}
-    for module in modules:
+    for module, keeps in pending:
         if id(module) not in done:
-            refresh_norm_buffer(module)
+            if keeps:
+                refresh_norm_buffer(module)
             refresh_base_sq_buffer(module)
 
 
