@@ -84,7 +84,9 @@ def refresh_buffers(modules) -> None:
         norm_cache = module_cache(module)
         if norm_cache is None:
             continue
-        keeps, group = keeps_norm_buffer(module), norm_cache.group
+        keeps = keeps_norm_buffer(module)
+        # other caches (tensor parallelism's) refresh in their own forward, not by group
+        group = norm_cache.group if isinstance(norm_cache, NormCache) else None
         if keeps and group is not None and all(g is not group for g in groups):
             groups.append(group)
         pending.append((module, keeps))
@@ -147,6 +149,11 @@ class NormCache:
             with torch.inference_mode(False):  # see ``state``
                 self._set_base(weight, base_sq_norm(weight))
         return self._base[1]
+
+    def cached_base_sq(self, weight: torch.Tensor) -> torch.Tensor | None:
+        """‖W_i‖² if it is cached for ``weight`` as it is now, else None (computes nothing)."""
+        base = self._base
+        return base[1] if base is not None and base[0].matches(weight) else None
 
     def set_base_sq(self, weight: torch.Tensor, base_sq: torch.Tensor) -> None:
         """Record ‖W_i‖² of the current ``weight`` computed elsewhere (e.g. updated exactly
@@ -234,15 +241,18 @@ def module_cache(module: torch.nn.Module) -> NormCache | None:
     return getattr(module, "_dora_norm_cache", None)
 
 
-def attach(module: torch.nn.Module, tensors) -> NormCache:
+def attach(module: torch.nn.Module, tensors, weight_of) -> NormCache:
     """Give ``module`` a NormCache, an eval-norm buffer and the hooks that keep it fresh.
 
     ``tensors(module)`` returns ``(weight, lora_A, lora_B, scaling, impl)`` of the adapter
-    the module computes, or None when it has none to compute (merged, disabled).
+    the module computes, or None when it has none to compute (merged, disabled);
+    ``weight_of(module)`` returns its frozen W alone, cheaply (the step hook asks for it per
+    layer per step).
     """
     cache = NormCache()
     module._dora_norm_cache = cache
     module._dora_tensors = tensors
+    module._dora_weight = weight_of
     for name in (DORA_NORM_BUFFER, DORA_BASE_SQ_BUFFER):
         if name not in module._buffers:
             module.register_buffer(name, torch.empty(0), persistent=False)
@@ -267,6 +277,7 @@ def detach_cache(module: torch.nn.Module) -> None:
     module._buffers.pop(DORA_BASE_SQ_BUFFER, None)
     module.__dict__.pop("_dora_norm_cache", None)
     module.__dict__.pop("_dora_tensors", None)
+    module.__dict__.pop("_dora_weight", None)
 
 
 def track_mode(module: torch.nn.Module) -> None:
@@ -309,6 +320,13 @@ def refresh_base_sq_buffer(module: torch.nn.Module) -> None:
     cache = module_cache(module)
     if cache is None or not config.COMPILED_BASE_SQ_BUFFER:
         return
+    buf = module._buffers.get(DORA_BASE_SQ_BUFFER)
+    if (
+        buf is not None
+        and isinstance(cache, NormCache)
+        and cache.cached_base_sq(module._dora_weight(module)) is buf
+    ):
+        return  # W unchanged and the buffer already its value: skip the adapter lookup
     found = module._dora_tensors(module)
     if found is None or _is_sharded(found[0]):
         return

@@ -156,7 +156,11 @@ class Linear(nn.Module):
         self.merged = False
         self._merge_norm: torch.Tensor | None = None
         self.last_impl: str | None = None
-        cache.attach(self, Linear._dora_tensors_of)
+        cache.attach(self, Linear._dora_tensors_of, Linear._weight_of)
+
+    @staticmethod
+    def _weight_of(layer: Linear) -> torch.Tensor:
+        return layer.weight
 
     @staticmethod
     def _dora_tensors_of(layer: Linear):

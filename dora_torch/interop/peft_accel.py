@@ -114,6 +114,10 @@ def _active_dora_adapter(module, base, x, args, kwargs) -> str | None:
     return a
 
 
+def _base_weight(module) -> torch.Tensor:
+    return module.get_base_layer().weight
+
+
 def _adapter_tensors(module):
     """(W, A, B, s, impl) of the adapter the fast path computes for ``module`` in its current
     state (for the norm cache's eval buffer), or None."""
@@ -194,7 +198,7 @@ def accelerate_peft(peft_model: nn.Module, *, impl: str = "auto") -> nn.Module:
             module.last_impl = None
             module.forward = types.MethodType(_accelerated_forward, module)
             module.train = types.MethodType(_accelerated_train, module)
-            cache.attach(module, _adapter_tensors)
+            cache.attach(module, _adapter_tensors, _base_weight)
         report.accelerated.append(name)
     if report.accelerated:  # one norm recomputation per parameter update for all of them
         accelerated = set(report.accelerated)

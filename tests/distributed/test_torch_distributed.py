@@ -501,6 +501,14 @@ def _scenario_tp(rank, counter, tmp):
     with torch.no_grad():
         out["tp_loaded"] = model(x)
         out["tp_loaded_ref"] = other(x)
+    # Eval mode, then an optimizer step elsewhere: the global step hook walks every module
+    # with a norm cache, the tensor-parallel ones included.
+    model.eval()
+    dummy = torch.zeros(1, requires_grad=True)
+    dummy.grad = torch.ones(1)
+    torch.optim.SGD([dummy], lr=0.1).step()
+    with torch.no_grad():
+        out["tp_eval_after_step"] = model(x)
 
     # Single layers with the other layouts: colwise output Replicate, rowwise input Replicate.
     singles = {
@@ -807,6 +815,13 @@ def test_tensor_parallel_save_adapter_and_load_state_dict(results):
     _close(_get(results, "tp_saved"), _get(results, "tp_trained_out"))
     for rank in range(WORLD):
         _close(_get(results, "tp_loaded", rank), _get(results, "tp_loaded_ref"))
+
+
+def test_tensor_parallel_layers_in_eval_mode_survive_optimizer_steps(results):
+    """The step hook refreshes eval-mode buffers (by norm group where there is one); a
+    tensor-parallel layer's cache is of another kind and is left to its own forward."""
+    for rank in range(WORLD):
+        _close(_get(results, "tp_eval_after_step", rank), _get(results, "tp_loaded_ref"))
 
 
 def test_tensor_parallel_caches_base_sq_and_norm(results):
