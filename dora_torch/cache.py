@@ -108,23 +108,14 @@ class _Stamp:
 
     def __init__(self, t: torch.Tensor):
         self.ref = weakref.ref(t)
-        self.meta = (
-            None if t.is_inference() else (t.data_ptr(), t._version, t.shape, t.dtype, t.device)
-        )
+        self.meta = None
+        if not t.is_inference():
+            self.meta = (t.data_ptr(), t._version, t.shape, t.dtype, t.device)
 
     def matches(self, t: torch.Tensor) -> bool:
-        return (
-            self.meta is not None
-            and self.ref() is t
-            and self.meta
-            == (
-                t.data_ptr(),
-                t._version,
-                t.shape,
-                t.dtype,
-                t.device,
-            )
-        )
+        if self.meta is None or self.ref() is not t:
+            return False
+        return self.meta == (t.data_ptr(), t._version, t.shape, t.dtype, t.device)
 
 
 class NormCache:
