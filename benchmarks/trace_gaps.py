@@ -5,7 +5,9 @@ steps, each inside a ``train_step`` range) and reports, per step, the host span,
 busy and idle time between the step's first and last kernel, and the idle time grouped by
 what the host was doing when it launched the kernel that ended each gap (the innermost CPU
 op around that launch, and its outermost ancestor inside the step). A step whose idle time
-is large is host-bound; the groups say which host work to cut.
+is large is host-bound; the groups say which host work to cut. ``--kernels`` also prints the
+GPU time per kernel family (cuBLAS GEMMs, Inductor's kernels, each of ours), averaged over
+the steps, to diff two providers.
 
     python3 -m benchmarks.trace_gaps out/bench/profile_ours_bf16_compile_r384_b1.trace.json.gz
 """
@@ -17,6 +19,7 @@ import bisect
 import collections
 import gzip
 import json
+import re
 
 from benchmarks.bench_model_torch import TRACE_STEP
 
@@ -28,6 +31,23 @@ def load(path: str) -> list[dict]:
     opener = gzip.open if path.endswith(".gz") else open
     with opener(path, "rt") as f:
         return json.load(f)["traceEvents"]
+
+
+def kernel_family(name: str) -> str:
+    """A kernel's family: cuBLAS GEMMs, Inductor pointwise / reductions, the optimizer's
+    foreach kernels, attention, or the kernel's own name without a numeric suffix."""
+    base = re.sub(r"_\d+$", "", name)
+    rules = (
+        (("nvjet", "cutlass", "gemm", "splitKreduce"), "cuBLAS GEMMs"),
+        (("triton_poi",), "Inductor pointwise"),
+        (("triton_red", "triton_per"), "Inductor reductions"),
+        (("multi_tensor_apply",), "foreach (optimizer)"),
+        (("sdpa", "cudnn", "flash"), "attention"),
+    )
+    for needles, family in rules:
+        if any(n in base for n in needles) and not base.startswith("_"):
+            return family
+    return base
 
 
 def _enclosing(ops: list[dict], starts: list[float], t: float) -> list[dict]:
@@ -71,7 +91,9 @@ def analyse(events: list[dict], min_gap_us: float = 5.0):
         busy = idle = 0.0
         end = mine[0][0]["ts"]
         by_inner, by_outer = collections.Counter(), collections.Counter()
+        families = collections.Counter()
         for k, launch in mine:
+            families[kernel_family(k["name"])] += k["dur"]
             gap = k["ts"] - end
             if gap > min_gap_us:
                 idle += gap
@@ -89,6 +111,7 @@ def analyse(events: list[dict], min_gap_us: float = 5.0):
             "kernels": len(mine),
             "idle_by_inner": by_inner,
             "idle_by_outer": by_outer,
+            "gpu_us_by_family": families,
         })  # fmt: skip
     return results
 
@@ -98,10 +121,19 @@ def main() -> None:
     ap.add_argument("traces", nargs="+")
     ap.add_argument("--top", type=int, default=12)
     ap.add_argument("--min-gap-us", type=float, default=5.0)
+    ap.add_argument("--kernels", action="store_true", help="GPU time per kernel family too")
     args = ap.parse_args()
     for path in args.traces:
         print(f"== {path}")
-        for i, r in enumerate(analyse(load(path), args.min_gap_us)):
+        steps = analyse(load(path), args.min_gap_us)
+        if args.kernels and steps:
+            total = collections.Counter()
+            for r in steps:
+                total.update(r["gpu_us_by_family"])
+            print(f"GPU ms per step by kernel family (mean of {len(steps)} steps):")
+            for name, us in total.most_common():
+                print(f"  {us / len(steps) / 1e3:8.3f}  {name[:100]}")
+        for i, r in enumerate(steps):
             print(
                 f"step {i}: host {r['host_ms']:.2f} ms, GPU span {r['gpu_span_ms']:.2f}, busy "
                 f"{r['gpu_busy_ms']:.2f}, idle {r['gpu_idle_ms']:.2f} ms, {r['kernels']} kernels"

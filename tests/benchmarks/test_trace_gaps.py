@@ -41,3 +41,13 @@ def test_idle_time_is_charged_to_the_launching_host_op(tmp_path):
     assert step["gpu_idle_ms"] == 0.385  # k1 ends at 130, k2 starts at 515
     assert step["idle_by_inner"] == {"inner": 385}
     assert step["idle_by_outer"] == {"outer": 385}
+
+
+def test_kernel_families():
+    from benchmarks.trace_gaps import kernel_family
+
+    assert kernel_family("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT") == "cuBLAS GEMMs"
+    assert kernel_family("triton_poi_fused__to_copy_mul_2") == "Inductor pointwise"
+    assert kernel_family("triton_red_fused_add_mean_11") == "Inductor reductions"
+    assert kernel_family("_lora_gemm_compose_kernel_7") == "_lora_gemm_compose_kernel"  # ours
+    assert kernel_family("_scale_reduce_kernel") == "_scale_reduce_kernel"
