@@ -9,7 +9,7 @@ of its forward and backward calls.
 
 ``--mode compile`` (or ``reduce-overhead``) runs each variant's model through its own
 ``torch.compile``, so compiled variants are compared in one process (compiled batch-1 steps
-of one code spread by up to 20% across processes, NOTES session 16-17). There only variants
+of one code spread by over 20% across processes, NOTES sessions 16-17). There only variants
 without ``dora_torch.config`` overrides run (a graph is traced with the config of its first
 call; switching it per step would retrace), plus those that differ in Inductor options:
   - ``ours_static_launch``: Inductor launches our Triton kernels with its static launcher
