@@ -84,9 +84,7 @@ def refresh_buffers(modules) -> None:
         norm_cache = module_cache(module)
         if norm_cache is None:
             continue
-        keeps = keeps_norm_buffer(module)
-        # other caches (tensor parallelism's) refresh in their own forward, not by group
-        group = norm_cache.group if isinstance(norm_cache, NormCache) else None
+        keeps, group = keeps_norm_buffer(module), norm_cache.group
         if keeps and group is not None and all(g is not group for g in groups):
             groups.append(group)
         pending.append((module, keeps))
@@ -193,7 +191,8 @@ class NormCache:
         with torch.inference_mode(False), torch.autocast(weight.device.type, enabled=False):
             # Inference tensors are never cached (``_Stamp``), so a group refresh would
             # recompute every member in every layer's call: they compute alone.
-            if self.group is not None and not _any_inference(weight, lora_A, lora_B):
+            inference = any(t.is_inference() for t in (weight, lora_A, lora_B))
+            if self.group is not None and not inference:
                 value = self.group.refresh(self, weight, lora_A, lora_B, scaling, impl, dtype)
                 if value is not None:
                     return value
@@ -205,10 +204,6 @@ class NormCache:
     def norm(self, weight, lora_A, lora_B, scaling: float, *, impl: str) -> torch.Tensor:
         """Detached norm [d_out] (shares the entry of ``state`` for W's dtype)."""
         return self.state(weight, lora_A, lora_B, scaling, impl=impl, dtype=weight.dtype)[0]
-
-
-def _any_inference(*tensors: torch.Tensor) -> bool:
-    return any(t.is_inference() for t in tensors)
 
 
 def detached_cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -312,11 +307,7 @@ def refresh_base_sq_buffer(module: torch.nn.Module) -> None:
     if cache is None or not config.COMPILED_BASE_SQ_BUFFER:
         return
     buf = module._buffers.get(DORA_BASE_SQ_BUFFER)
-    if (
-        buf is not None
-        and isinstance(cache, NormCache)
-        and cache.cached_base_sq(module._dora_weight(module)) is buf
-    ):
+    if buf is not None and cache.cached_base_sq(module._dora_weight(module)) is buf:
         return  # W unchanged and the buffer already its value: skip the adapter lookup
     found = module._dora_tensors(module)
     if found is None or _is_sharded(found[0]):

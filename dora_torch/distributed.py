@@ -440,11 +440,22 @@ class _TPNormCache:
     """The norm cache of a tensor-parallel DoRA layer (the role ``cache.NormCache`` plays on
     one device), keyed on the layer's DTensor parameters (identity and version) and the
     optimizer-step count. Every hit or miss is decided alike on all ranks, as a row-parallel
-    miss all-reduces. ``clear_caches`` clears it (it is the module's norm cache)."""
+    miss all-reduces. ``clear_caches`` clears it (it is the module's norm cache).
 
-    def __init__(self, row_parallel: bool, group) -> None:
-        self.row_parallel, self.group = row_parallel, group
+    Toward ``dora_torch.cache``'s step hook it answers as a ``NormCache`` that no norm group
+    holds and that keeps no ‖W‖² buffer: the layer refreshes nothing outside its forward
+    (the hook runs no collectives)."""
+
+    #: Not in a ``norm_group.NormGroup``: each rank computes its own rows alone.
+    group = None
+
+    def __init__(self, row_parallel: bool, process_group) -> None:
+        self.row_parallel, self.process_group = row_parallel, process_group
         self.clear()
+
+    def cached_base_sq(self, _weight: torch.Tensor) -> None:
+        """None: a tensor-parallel layer keeps no ‖W‖² buffer for compiled graphs."""
+        return None
 
     def clear(self) -> None:
         self._base: tuple[_ParamStamp, torch.Tensor] | None = None
@@ -488,7 +499,7 @@ class _TPNormCache:
             parts.append(_norm.base_sq_norm(W))
             self.base_sq_computations += 1
         total = torch.cat(parts)
-        dist.all_reduce(total, group=self.group)
+        dist.all_reduce(total, group=self.process_group)
         cross, G = total[:d_out], total[d_out : d_out + r * r].view(r, r)
         if base is None:
             base = total[d_out + r * r :].clone()

@@ -98,12 +98,15 @@ class NormGroup:
         if impl != "fused" or dtype != weight.dtype or not self._can_run(weight):
             return None
         modules, members = self._eligible(weight)
-        mine = next((m for m in members if m[0] is requester), None)
-        if mine is None or mine[2] is not lora_A or mine[3] is not lora_B or mine[4] != scaling:
+        i = next((i for i, m in enumerate(members) if m[0] is requester), None)
+        if i is None:
             return None
-        values = self._compute(members, dtype)
-        self._install(modules, members, values, impl, dtype)
-        return values[next(i for i, m in enumerate(members) if m is mine)]
+        _, _, a, b, s = members[i]
+        if a is not lora_A or b is not lora_B or s != scaling:
+            return None
+        values, base = self._compute(members, dtype)
+        self._install(modules, members, values, base, impl, dtype)
+        return values[i]
 
     def refresh_buffers(self) -> list[torch.nn.Module]:
         """Recompute every eligible member now (after an optimizer step), installing the
@@ -123,8 +126,8 @@ class NormGroup:
             return []
         modules, members = self._eligible(weight)
         if members:
-            values = self._compute(members, weight.dtype)
-            self._install(modules, members, values, "fused", weight.dtype)
+            values, base = self._compute(members, weight.dtype)
+            self._install(modules, members, values, base, "fused", weight.dtype)
         return modules
 
     @staticmethod
@@ -135,8 +138,9 @@ class NormGroup:
         # inside someone else's capture: the per-layer path is captured there
         return not (weight.is_cuda and torch.cuda.is_current_stream_capturing())
 
-    def _compute(self, members, dtype) -> list[tuple]:
-        """(n, a, b) of every member: one replay once the same tensors were seen twice."""
+    def _compute(self, members, dtype) -> tuple[list[tuple], list[torch.Tensor]]:
+        """(n, a, b) of every member, one replay once the same tensors were seen twice, and
+        each member's ‖W‖² (brought up to date first)."""
         weight = members[0][1]
         graphs = weight.is_cuda and config.NORM_GROUP_GRAPHS and not self._failed
         base = [c.base_sq(w) for c, w, *_ in members]
@@ -154,19 +158,20 @@ class NormGroup:
                 self._graph = None
                 self._seen = signature
         if graphs and self._graph is not None and signature == self._signature:
-            return self._replay()
-        return [
+            return self._replay(), base
+        values = [
             compute_state(w, a, b, q, s, "fused", dtype)
             for (_, w, a, b, s), q in zip(members, base, strict=True)
         ]
+        return values, base
 
     @staticmethod
-    def _install(modules, members, values, impl, dtype) -> None:
+    def _install(modules, members, values, base, impl, dtype) -> None:
         """Record each member's entry; write the norm buffers compiled graphs read (one
         foreach copy for those already in place) and re-point the ‖W‖² buffers."""
         dst, src = [], []
         base_buffers = config.COMPILED_BASE_SQ_BUFFER
-        for (c, w, a, b, s), value, module in zip(members, values, modules, strict=True):
+        for (c, w, a, b, s), value, q, module in zip(members, values, base, modules, strict=True):
             c.install(w, a, b, s, impl, dtype, value)
             if keeps_norm_buffer(module):
                 n, buf = value[0], module._buffers.get(DORA_NORM_BUFFER)
@@ -175,10 +180,8 @@ class NormGroup:
                     src.append(n)
                 else:
                     write_norm_buffer(module, n)
-            if base_buffers:
-                base = c.base_sq(w)  # the entry ``_compute`` refreshed: a stamp check
-                if module._buffers.get(DORA_BASE_SQ_BUFFER) is not base:
-                    module._buffers[DORA_BASE_SQ_BUFFER] = base
+            if base_buffers and module._buffers.get(DORA_BASE_SQ_BUFFER) is not q:
+                module._buffers[DORA_BASE_SQ_BUFFER] = q
         if dst:
             torch._foreach_copy_(dst, src)
 
