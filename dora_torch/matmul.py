@@ -46,33 +46,40 @@ def _unused_input(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return t
 
 
-def scaled_mm(a: torch.Tensor, b: torch.Tensor, alpha: float, dtype: torch.dtype) -> torch.Tensor:
-    """``alpha · (a @ b)`` returned in ``dtype``: one GEMM, fp32 accumulation, one rounding.
-
-    a, b: 2-D in the same (activation) dtype; ``dtype`` is a's or, for 16-bit inputs on CUDA,
-    fp32 (PEFT's fp32 adapters). cuBLAS applies alpha to the accumulator (``addmm`` with
-    beta = 0, whose input is ignored, so an uninitialised 0-d tensor serves), instead of a
-    product, a scaling pass and a cast. Compiled graphs and other dtypes take the unfused
-    form (Inductor fuses the scaling there)."""
-    if not torch.compiler.is_compiling():
-        unused = _unused_input(dtype, a.device).expand(a.shape[0], b.shape[1])
-        if dtype == a.dtype:
-            return torch.addmm(unused, a, b, beta=0, alpha=alpha)
-        if dtype == torch.float32 and a.is_cuda and a.dtype in (torch.bfloat16, torch.float16):
-            try:
-                return torch.addmm(unused, a, b, beta=0, alpha=alpha, out_dtype=dtype)
-            except (TypeError, RuntimeError, NotImplementedError):  # torch without addmm.dtype
-                pass
+def _scaled_mm_impl(a: torch.Tensor, b: torch.Tensor, alpha: float, dtype: torch.dtype):
+    unused = _unused_input(dtype, a.device).expand(a.shape[0], b.shape[1])
+    if dtype == a.dtype:
+        return torch.addmm(unused, a, b, beta=0, alpha=alpha)
+    if dtype == torch.float32 and a.is_cuda and a.dtype in (torch.bfloat16, torch.float16):
+        try:
+            return torch.addmm(unused, a, b, beta=0, alpha=alpha, out_dtype=dtype)
+        except (TypeError, RuntimeError, NotImplementedError):  # torch without addmm.dtype
+            pass
     out = mm_out(a, b, compute_dtype(a.dtype))
     if alpha != 1.0:
         out = out.mul_(alpha)
     return out if out.dtype == dtype else out.to(dtype)
 
 
-# A mutating op for compiled graphs, defined with the low-level ``torch.library.Library``
-# rather than ``torch.library.custom_op``: the latter's Python wrapper costs ~20 µs of host
-# time per call against ~5 µs here (benchmarks/NOTES.md, session 12), paid once per adapted
-# layer and step in a compiled backward that is not CUDA-graphed.
+def scaled_mm(a: torch.Tensor, b: torch.Tensor, alpha: float, dtype: torch.dtype) -> torch.Tensor:
+    """``alpha · (a @ b)`` returned in ``dtype``: one GEMM, fp32 accumulation, one rounding.
+
+    a, b: 2-D in the same (activation) dtype; ``dtype`` is a's or, for 16-bit inputs on CUDA,
+    fp32 (PEFT's fp32 adapters). cuBLAS applies alpha to the accumulator (``addmm`` with
+    beta = 0, whose input is ignored, so an uninitialised 0-d tensor serves), instead of a
+    product, a scaling pass and a cast; other dtypes and devices take that unfused form.
+    Compiled graphs call the same code as one opaque op (``dora_torch::scaled_mm``): traced,
+    it became an fp32 GEMM and an Inductor scale-and-cast kernel, an extra launch and an fp32
+    [r, d_in] or [d_out, r] round trip per adapter gradient."""
+    if torch.compiler.is_compiling():
+        return _scaled_mm(a, b, alpha, dtype)
+    return _scaled_mm_impl(a, b, alpha, dtype)
+
+
+# Ops for compiled graphs, defined with the low-level ``torch.library.Library`` rather than
+# ``torch.library.custom_op``: the latter's Python wrapper costs ~20 µs of host time per call
+# against ~5 µs here (benchmarks/NOTES.md, session 12), paid per adapted layer and step in a
+# compiled backward that is not CUDA-graphed.
 _LIB = torch.library.Library("dora_torch", "DEF")
 _LIB.define("addmm_into(Tensor(a!) out, Tensor a, Tensor b, float alpha) -> ()")
 
@@ -88,6 +95,17 @@ def _addmm_into_fake(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha:
 _LIB.impl("addmm_into", _addmm_into_impl, "CompositeExplicitAutograd")
 torch.library.register_fake("dora_torch::addmm_into", _addmm_into_fake, lib=_LIB)
 _addmm_into = torch.ops.dora_torch.addmm_into.default
+
+_LIB.define("scaled_mm(Tensor a, Tensor b, float alpha, ScalarType dtype) -> Tensor")
+
+
+def _scaled_mm_fake(a: torch.Tensor, b: torch.Tensor, alpha: float, dtype: torch.dtype):
+    return a.new_empty((a.shape[0], b.shape[1]), dtype=dtype)
+
+
+_LIB.impl("scaled_mm", _scaled_mm_impl, "CompositeExplicitAutograd")
+torch.library.register_fake("dora_torch::scaled_mm", _scaled_mm_fake, lib=_LIB)
+_scaled_mm = torch.ops.dora_torch.scaled_mm.default
 
 
 def addmm_inplace(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: float):

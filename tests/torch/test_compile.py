@@ -177,6 +177,29 @@ def test_compiled_backward_accumulates_dx_in_place(dropout):
     assert "aten.addmm." not in code
 
 
+@pytest.mark.parametrize("adapter_dtype", [torch.float32, torch.float64])
+def test_compiled_backward_forms_each_adapter_gradient_in_one_op(adapter_dtype):
+    """dA = s·tᵀ x and dB = s·dy_gᵀ h are one scaled GEMM each in the compiled backward
+    too (``dora_torch::scaled_mm``), not a GEMM plus a scale-and-cast pass, and give the
+    eager gradients bit for bit (the same code runs)."""
+    from torch._dynamo.testing import AotEagerAndRecordGraphs
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    layer = dora_torch.Linear(24, 20, r=4, lora_alpha=6, impl="eager", adapter_dtype=adapter_dtype)
+    with torch.no_grad():
+        layer.lora_B.normal_(0, 0.3)
+    x = torch.randn(6, 24)
+    backend = AotEagerAndRecordGraphs()
+    torch.compile(layer, fullgraph=True, backend=backend)(x).square().sum().backward()
+    got = [layer.lora_A.grad.clone(), layer.lora_B.grad.clone()]
+    layer.zero_grad(set_to_none=True)
+    layer(x).square().sum().backward()
+    assert torch.equal(got[0], layer.lora_A.grad) and torch.equal(got[1], layer.lora_B.grad)
+    (bw,) = backend.bw_graphs
+    assert bw.code.count("dora_torch.scaled_mm") == 2
+
+
 def _compiled_train_graphs(layer, x):
     """(compiled training output, its forward graph's code) of ``layer`` on ``x``."""
     from torch._dynamo.testing import AotEagerAndRecordGraphs
