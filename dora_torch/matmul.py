@@ -47,6 +47,7 @@ def _unused_input(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
 
 
 def _scaled_mm_impl(a: torch.Tensor, b: torch.Tensor, alpha: float, dtype: torch.dtype):
+    """The body of ``scaled_mm``, eager and inside the op compiled graphs call."""
     unused = _unused_input(dtype, a.device).expand(a.shape[0], b.shape[1])
     if dtype == a.dtype:
         return torch.addmm(unused, a, b, beta=0, alpha=alpha)
