@@ -25,18 +25,17 @@ from __future__ import annotations
 
 import argparse
 
+from benchmarks.work_floor import COPY_TB_PER_S, GEMM_TFLOPS, LLAMA_8B_PROJECTIONS
+
+_NAMES = {(4096, 4096): "q/o", (1024, 4096): "k/v", (14336, 4096): "gate/up", (4096, 14336): "down"}
 #: (name, d_out, d_in, projections per decoder layer)
-PROJECTIONS = (
-    ("q/o", 4096, 4096, 2),
-    ("k/v", 1024, 4096, 2),
-    ("gate/up", 14336, 4096, 2),
-    ("down", 4096, 14336, 1),
+PROJECTIONS = tuple(
+    (name, d_out, d_in, LLAMA_8B_PROJECTIONS.count((d_out, d_in)))
+    for (d_out, d_in), name in _NAMES.items()
 )
 TOKENS = 2048
 LAYERS = 8
 RANKS = (384, 16)
-COPY_BYTES_PER_S = 4.3e12
-GEMM_FLOPS_PER_S = 790e12
 
 
 def _bench_us(fn) -> float:
@@ -160,7 +159,9 @@ def compose() -> None:
             chosen = config.LORA_GEMM_CANDIDATES.index(config.lora_gemm_config(TOKENS, d_out, r))
             addmm = _bench_us(functools.partial(torch.addmm, base, h, B.t(), alpha=2.0))
             moved = 2 * TOKENS * d_out * 2  # read base, write y (bf16)
-            floor = (moved / COPY_BYTES_PER_S + 2 * TOKENS * d_out * r / GEMM_FLOPS_PER_S) * 1e6
+            floor = (
+                moved / (COPY_TB_PER_S * 1e12) + 2 * TOKENS * d_out * r / (GEMM_TFLOPS * 1e12)
+            ) * 1e6
             found = {"chosen": times[chosen], "best": min(times), "cuBLAS addmm": addmm,
                      "floor": floor}  # fmt: skip
             for key, us in found.items():
