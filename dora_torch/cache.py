@@ -164,7 +164,6 @@ class NormCache:
         self._state = ((_Stamp(weight), _Stamp(lora_A), _Stamp(lora_B), key), value)
         self.norm_computations += 1
 
-    @torch.no_grad()
     def state(
         self, weight, lora_A, lora_B, scaling: float, *, impl: str, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -188,7 +187,12 @@ class NormCache:
         # later training step could not save for backward (validation between training steps).
         # Autocast off: the entry is keyed on the tensors, not on the caller's context, so it
         # must be the norm of the precision rule (docs/design.md §5) whoever computes it.
-        with torch.inference_mode(False), torch.autocast(weight.device.type, enabled=False):
+        # (no_grad only here: a hit, every call but one per update, pays for no context.)
+        with (
+            torch.no_grad(),
+            torch.inference_mode(False),
+            torch.autocast(weight.device.type, enabled=False),
+        ):
             # Inference tensors are never cached (``_Stamp``), so a group refresh would
             # recompute every member in every layer's call: they compute alone.
             inference = any(t.is_inference() for t in (weight, lora_A, lora_B))

@@ -122,10 +122,10 @@ def module_dora_linear(
     norm, a, b = cache.state(weight, lora_A, lora_B, scaling, impl=tier, dtype=x.dtype)
     if computed != cache.norm_computations and not module.training:
         write_norm_buffer(module, norm)  # eager eval calls keep the compiled graphs' copy fresh
-    return _dora_linear(
-        x, weight, lora_A, lora_B, magnitude, scaling, bias, dropout_p=dropout_p,
-        training=training, impl=tier, norm=norm, adapters=(a, b),
-    )  # fmt: skip
+    # The cache's entry is the norm of this tier and dtype: straight to the products.
+    y = _run(x, weight, lora_A, lora_B, magnitude, norm, scaling, bias, tier, dropout_p,
+             training, (a, b))  # fmt: skip
+    return y, tier
 
 
 def _dora_linear(
@@ -143,10 +143,8 @@ def _dora_linear(
     exact_norm_grad=False,
     norm=None,
     base_sq=None,
-    adapters=None,
 ) -> tuple[torch.Tensor, str]:
-    """The layer on validated arguments; also returns the tier that ran. ``adapters``:
-    optional (a, b), lora_A and lora_B already cast to x's dtype and detached."""
+    """The layer on validated arguments; also returns the tier that ran."""
     if torch.is_autocast_enabled(x.device.type):
         # Under autocast, run the whole layer in the autocast dtype with autocast off (as
         # nn.Linear's matmuls would), so every product inside sees one activation dtype.
@@ -157,7 +155,7 @@ def _dora_linear(
                 None if bias is None else bias.to(dt), dropout_p=dropout_p, training=training,
                 impl=impl, exact_norm_grad=exact_norm_grad, norm=norm, base_sq=base_sq,
             )  # fmt: skip
-    d_out, d_in = weight.shape
+    d_out = weight.shape[0]
     tier = resolve_impl(impl, x, d_out)
     acc = compute_dtype(weight.dtype)
     if exact_norm_grad:
@@ -174,7 +172,19 @@ def _dora_linear(
                 f"inputs); got {norm.dtype} {tuple(norm.shape)}"
             )
         n = norm.detach()
+    y = _run(x, weight, lora_A, lora_B, magnitude, n, scaling, bias, tier, dropout_p, training)
+    return y, tier
 
+
+def _run(
+    x, weight, lora_A, lora_B, magnitude, n, scaling, bias, tier, dropout_p, training,
+    adapters=None,
+):  # fmt: skip
+    """The products and the composition on validated arguments: ``tier`` resolved ("fused" |
+    "eager"), n the norm [d_out] in the compute dtype (detached unless exact_norm_grad made
+    it), ``adapters`` optional (a, b): lora_A and lora_B already cast to x's dtype and
+    detached (a module cache's). Returns y."""
+    d_out, d_in = weight.shape
     lead = x.shape[:-1]
     x2 = x.reshape(-1, d_in)
     x_d = F.dropout(x2, float(dropout_p), training=True) if training and dropout_p > 0 else None
@@ -193,7 +203,7 @@ def _dora_linear(
     else:
         save = ops.SAVE_INNER
     opts = ops.LinearOptions.of(scaling, tier, save)
-    w = weight.detach()
+    w = weight.detach() if weight.requires_grad else weight  # frozen: no gradient either way
     a, b = adapters or (detached_cast(lora_A, x.dtype), detached_cast(lora_B, x.dtype))
     if save == ops.SAVE_NONE:  # no autograd bookkeeping at all
         y = ops.forward_core(x2, x_d, w, a, b, magnitude, n, bias, opts)[0]
@@ -206,4 +216,4 @@ def _dora_linear(
             y = y.view(*lead, d_out)
         else:  # not a view, like nn.Linear's output (FSDP2 hooks module outputs)
             y = torch.ops.aten._unsafe_view(y, (*lead, d_out))
-    return y, tier
+    return y

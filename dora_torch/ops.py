@@ -141,6 +141,8 @@ def backward_core(
             h=h,
             lora_B=b,
             scaling=scaling,
+            # dn needs dm unrounded; otherwise dm is stored in m's dtype (no cast launch)
+            dm_dtype=torch.float32 if need_dn else magnitude.dtype,
         )
     else:
         if recover:

@@ -99,7 +99,7 @@ def _active_dora_adapter(module, base, x, args, kwargs) -> str | None:
     layer), or None to use PEFT's path."""
     if args or kwargs or module.disable_adapters or module.merged:
         return None
-    lora_A = module.lora_A
+    lora_A = module._modules["lora_A"]
     active = [a for a in module.active_adapters if a in lora_A]
     if len(active) != 1:
         return None
@@ -109,24 +109,44 @@ def _active_dora_adapter(module, base, x, args, kwargs) -> str | None:
     weight = base.weight
     if x.dtype != weight.dtype or weight.requires_grad:
         return None
-    if not isinstance(module.lora_dropout[a], nn.Identity | nn.Dropout):
+    if not isinstance(module._modules["lora_dropout"][a], (nn.Identity, nn.Dropout)):
         return None
     return a
 
 
+def _base_layer(module) -> nn.Module:
+    """``module.get_base_layer()`` of an accelerated layer: its registered ``base_layer``
+    submodule, read directly (PEFT's walk asks ``hasattr`` of the nn.Linear it ends on, which
+    raises and catches an AttributeError per call, ~3 of them per layer and step); a nested
+    tuner layer takes PEFT's walk."""
+    base = module._modules["base_layer"]
+    return base if "base_layer" not in base._modules else module.get_base_layer()
+
+
 def _base_weight(module) -> torch.Tensor:
-    return module.get_base_layer().weight
+    return _base_layer(module).weight
+
+
+def _adapter_weight(module, name: str, a: str) -> torch.Tensor:
+    """``module.<name>[a].weight``, read from the submodule dicts: nn.Module's ``__getattr__``
+    is a Python call per attribute, and the fast path reads ~ten per layer call."""
+    return module._modules[name][a].weight
 
 
 def _adapter_tensors(module):
     """(W, A, B, s, impl) of the adapter the fast path computes for ``module`` in its current
     state (for the norm cache's eval buffer), or None."""
-    base = module.get_base_layer()
+    base = _base_layer(module)
     a = _active_dora_adapter(module, base, base.weight, (), {})
     if a is None:
         return None
-    scaling = float(module.scaling[a])
-    return base.weight, module.lora_A[a].weight, module.lora_B[a].weight, scaling, module._dora_impl
+    return (
+        base.weight,
+        _adapter_weight(module, "lora_A", a),
+        _adapter_weight(module, "lora_B", a),
+        float(module.scaling[a]),
+        module._dora_impl,
+    )
 
 
 def _accelerated_forward(self, x, *args, **kwargs):
@@ -134,22 +154,22 @@ def _accelerated_forward(self, x, *args, **kwargs):
     ``self.last_impl`` records which ran: "fused" / "eager" (ours) or "peft"."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor; got {type(x).__name__}")
-    base = self.get_base_layer()
+    base = _base_layer(self)
     a = _active_dora_adapter(self, base, x, args, kwargs)
     state = self.__dict__  # plain attributes: skip nn.Module's __setattr__ bookkeeping
     if a is None:
         if not torch.compiler.is_compiling():
             state["last_impl"] = "peft"
         return type(self).forward(self, x, *args, **kwargs)
-    drop = self.lora_dropout[a]
+    drop = self._modules["lora_dropout"][a]
     y, tier = module_dora_linear(
         state["_dora_norm_cache"],
         self,
         x,
         base.weight,
-        self.lora_A[a].weight,
-        self.lora_B[a].weight,
-        self.lora_magnitude_vector[a].weight,
+        _adapter_weight(self, "lora_A", a),
+        _adapter_weight(self, "lora_B", a),
+        _adapter_weight(self, "lora_magnitude_vector", a),
         float(self.scaling[a]),
         base.bias,
         dropout_p=drop.p if isinstance(drop, nn.Dropout) else 0.0,

@@ -154,7 +154,7 @@ def _scale_reduce_kernel(
 @triton.jit
 def _dm_finish_kernel(
     dm_part_ptr,  # [P, N] fp32, from _scale_reduce_kernel in recover mode
-    dm_ptr,  # [N] fp32
+    dm_ptr,  # [N], the magnitude's dtype (one rounding of the fp32 sum)
     m_ptr,
     n_ptr,
     dy_ptr,
@@ -213,7 +213,7 @@ def _dm_finish_kernel(
             )  # fmt: skip
             acc += dy * inner
         dm = tl.where(zero_col, tl.sum(acc, axis=0) / nrm, dm)
-    tl.store(dm_ptr + cols, dm, mask=mask_n)
+    tl.store(dm_ptr + cols, dm.to(dm_ptr.dtype.element_ty), mask=mask_n)
 
 
 _launch_scale_reduce = Launcher(_scale_reduce_kernel)
@@ -244,10 +244,12 @@ def scale_reduce(
     h: torch.Tensor | None = None,
     lora_B: torch.Tensor | None = None,
     scaling: float = 1.0,
+    dm_dtype: torch.dtype = torch.float32,
     reduce_config: config.ReduceConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
-    """One pass over dy [T, d_out]. Returns (dy_g, dy_g1 or None, dm fp32 [d_out],
-    dbias fp32 [d_out] or None).
+    """One pass over dy [T, d_out]. Returns (dy_g, dy_g1 or None, dm [d_out] in ``dm_dtype``
+    (the magnitude's, so the gradient needs no cast of its own: recover mode's finishing
+    kernel rounds the fp32 sum once as it stores it), dbias fp32 [d_out] or None).
 
     ``saved`` is inner, or y when ``recover``; then x [T, d_in], weight [d_out, d_in], h [T, r]
     and lora_B [d_out, r] (activation dtype) and ``scaling`` are needed too, to recompute inner
@@ -261,7 +263,8 @@ def scale_reduce(
     dyg1 = torch.empty_like(dyg) if dropout else None
     if M == 0 or N == 0:
         zeros = torch.zeros(N, dtype=torch.float32, device=dy.device)
-        return dyg, dyg1, zeros, (zeros.clone() if need_dbias else None)
+        dm = zeros if dm_dtype == torch.float32 else zeros.to(dm_dtype)
+        return dyg, dyg1, dm, (zeros.clone() if need_dbias else None)
     if recover:
         if x is None or weight is None or h is None or lora_B is None:
             raise ValueError("scale_reduce(recover=True) needs x, weight, h and lora_B")
@@ -309,7 +312,9 @@ def scale_reduce(
         num_warps=cfg.num_warps,
     )
     if recover:  # no bias here (recover needs none), so no dbias partials
-        dm = torch.empty(N, dtype=torch.float32, device=dy.device)
+        # The interpreter rounds fp32 to 16 bits by truncation: there dm is cast on the host.
+        store_dtype = torch.float32 if config.interpreting() else dm_dtype
+        dm = torch.empty(N, dtype=store_dtype, device=dy.device)
         _launch_dm_finish(
             (cdiv(N, bn),),
             dm_part,
@@ -342,7 +347,9 @@ def scale_reduce(
             BLOCK_R=config.interp_small(config.BWD_BLOCK_R),
             num_warps=cfg.num_warps,
         )
-        return dyg, dyg1, dm, None
+        return dyg, dyg1, (dm if store_dtype == dm_dtype else dm.to(dm_dtype)), None
     if parts == 1:  # one token chunk: the partial sums are the sums (saves a launch each)
-        return dyg, dyg1, dm_part[0], (db_part[0] if need_dbias else None)
-    return dyg, dyg1, dm_part.sum(0), (db_part.sum(0) if need_dbias else None)
+        dm, dbias = dm_part[0], (db_part[0] if need_dbias else None)
+    else:
+        dm, dbias = dm_part.sum(0), (db_part.sum(0) if need_dbias else None)
+    return dyg, dyg1, (dm if dm_dtype == torch.float32 else dm.to(dm_dtype)), dbias

@@ -89,16 +89,12 @@ class Launcher:
         parameters positionally, the rest (constexprs, usually) by name."""
         if named:
             rest = self.names[len(args) :]
-            if len(named) != len(rest) or not all(n in named for n in rest):
+            if named.keys() != set(rest):
                 raise TypeError(
                     f"{self.kernel.__name__}: parameters after the positional ones must be "
                     f"{rest} by name; got {tuple(named)}"
                 )
             args = (*args, *[named[n] for n in rest])
-        options = (num_warps, num_stages)
-        kw = {"num_warps": num_warps}
-        if num_stages is not None:
-            kw["num_stages"] = num_stages
         if (
             not config.FAST_TRITON_LAUNCH
             or config.interpreting()
@@ -106,13 +102,13 @@ class Launcher:
             or hooks_set()
             or self.broken
         ):
-            self.kernel[grid](*args, **kw)
+            self.kernel[grid](*args, **_options(num_warps, num_stages))
             return
         device = torch.cuda.current_device()
-        key = (device, specialization_key(self.constexpr, args, options))
+        key = (device, specialization_key(self.constexpr, args, (num_warps, num_stages)))
         entry = self._compiled.get(key)
         if entry is None:
-            compiled = self.kernel[grid](*args, **kw)
+            compiled = self.kernel[grid](*args, **_options(num_warps, num_stages))
             # What JITFunction.run launches a compiled kernel with (``run`` loads the module).
             launcher = getattr(compiled, "run", None)
             function = getattr(compiled, "function", None)
@@ -131,6 +127,12 @@ class Launcher:
         except TypeError:  # a Triton whose launcher takes other arguments: parsed, not launched
             self.broken = True
             self._compiled.clear()
-            self.kernel[grid](*args, **kw)
+            self.kernel[grid](*args, **_options(num_warps, num_stages))
             return
         self.fast_launches += 1
+
+
+def _options(num_warps: int, num_stages: int | None) -> dict:
+    """The launch options as ``kernel[grid](...)`` takes them (num_stages: Triton's default
+    when None)."""
+    return {"num_warps": num_warps} | ({} if num_stages is None else {"num_stages": num_stages})

@@ -597,6 +597,29 @@ def test_scale_reduce_token_chunks(monkeypatch, min_programs, chunks):
     torch.testing.assert_close(dyg, (m / n) * dy)
 
 
+@pytest.mark.parametrize("recover", [False, True])
+@pytest.mark.parametrize("dm_dtype", [torch.bfloat16, torch.float16])
+def test_scale_reduce_returns_dm_in_the_magnitude_dtype(recover, dm_dtype):
+    """dm comes back in the dtype asked for (the magnitude's), the fp32 sum rounded once:
+    bit-equal to the fp32 dm cast afterwards, on the path that finishes dm in a kernel
+    (recover) and on the one that sums partials (saved inner)."""
+    from dora_torch.kernels import backward
+
+    g = torch.Generator().manual_seed(5)
+    T, N, D, R = 150, 40, 24, 4
+    x, W = torch.randn(T, D, generator=g), torch.randn(N, D, generator=g)
+    h, B = torch.randn(T, R, generator=g), torch.randn(N, R, generator=g)
+    dy, saved = torch.randn(T, N, generator=g), torch.randn(T, N, generator=g)
+    m, n = torch.rand(N, generator=g) + 0.5, torch.rand(N, generator=g) + 0.5
+    m[3] = 0  # recover mode recomputes inner for this column in the finishing kernel
+    kw = dict(recover=recover, dropout=False, need_dbias=False, x=x, weight=W, h=h,
+              lora_B=B, scaling=0.5)  # fmt: skip
+    ref = backward.scale_reduce(dy, saved, m, n, **kw)[2]
+    got = backward.scale_reduce(dy, saved, m, n, dm_dtype=dm_dtype, **kw)[2]
+    assert ref.dtype == torch.float32 and got.dtype == dm_dtype
+    assert torch.equal(got, ref.to(dm_dtype))
+
+
 def test_scale_reduce_recover_refuses_a_bias_gradient():
     """Recovering inner from y is for layers without a bias: asking for dbias there is an
     error naming the argument, not a silent None."""

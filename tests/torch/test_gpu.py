@@ -202,3 +202,27 @@ def test_cuda_zero_magnitude_columns_recompute_inner(dtype):
         machine_eps=torch.finfo(DTYPES[dtype]).eps,
         name=f"{dtype} dm at m = 0 columns",
     )
+
+
+@pytest.mark.parametrize("dm_dtype", [torch.bfloat16, torch.float16])
+def test_cuda_dm_finish_stores_dm_rounded_once_in_the_magnitude_dtype(dm_dtype):
+    """The kernel that finishes dm stores it in the magnitude's dtype: bit-equal to the fp32
+    dm rounded to nearest-even afterwards (the cast it replaces), zero-magnitude columns (whose
+    inner the kernel recomputes) included."""
+    from dora_torch.kernels import backward
+
+    g = torch.Generator(device="cuda").manual_seed(5)
+    T, N, D, R = 600, 1000, 256, 16
+    kw = dict(device="cuda", generator=g)
+    x, W = torch.randn(T, D, **kw).bfloat16(), torch.randn(N, D, **kw).bfloat16()
+    h, B = torch.randn(T, R, **kw).bfloat16(), torch.randn(N, R, **kw).bfloat16()
+    dy, y = torch.randn(T, N, **kw).bfloat16(), torch.randn(T, N, **kw).bfloat16()
+    m, n = torch.rand(N, **kw) + 0.5, torch.rand(N, **kw) + 0.5
+    m[::97] = 0
+    args = dict(recover=True, dropout=False, need_dbias=False, x=x, weight=W, h=h,
+                lora_B=B, scaling=0.5)  # fmt: skip
+    m = m.to(dm_dtype)
+    got = backward.scale_reduce(dy, y, m, n, dm_dtype=dm_dtype, **args)[2]
+    ref = backward.scale_reduce(dy, y, m, n, **args)[2]
+    assert got.dtype == dm_dtype and ref.dtype == torch.float32
+    assert torch.equal(got, ref.to(dm_dtype))
