@@ -29,6 +29,10 @@ Variants (each on a fresh copy of the 8-layer base, ``lora_alpha = 2r``, AdamW f
   - ``ours_fp32_gemm_assembly``: the gemm assembly's B·G as an fp32 GEMM, not bf16x3
     (``NORM_GEMM_BF16X3`` off; matters from r = ``NORM_GEMM_MIN_RANK``).
 
+With ``--rev DIR`` (a copy of an earlier revision written by ``benchmarks.revision_copy``)
+the variant ``ours_rev`` runs that revision's ``accelerate_peft`` beside ``ours``, in every
+mode: a change against the code before it, in one process.
+
     python3 -m benchmarks.bench_step_interleaved --ranks 16 384 --adapters bf16 fp32
     python3 -m benchmarks.bench_step_interleaved --mode compile --ranks 384 --adapters bf16 \
         --variants ours_static_launch
@@ -62,7 +66,7 @@ INDUCTOR_OPTIONS = {"ours_static_launch": {"static_launch_user_defined_triton_ke
 MODES = ("eager", "compile", "reduce-overhead")
 SWITCHES = sorted({key for _, overrides in VARIANTS.values() for key in overrides})
 FIELDS = [
-    "date", "commit", "gpu", "variant", "mode", "adapters", "rank", "batch", "rounds",
+    "date", "commit", "gpu", "variant", "rev", "mode", "adapters", "rank", "batch", "rounds",
     "step_min_ms", "step_median_ms", "fwd_host_min_ms", "fwd_host_median_ms", "bwd_host_min_ms",
     "bwd_host_median_ms",
 ]  # fmt: skip
@@ -123,19 +127,26 @@ def measure(
     layers: int = 8,
     variants=None,
     mode: str = "eager",
+    rev=None,
 ):
+    """``rev``: (package, commit) of ``revision_copy.load``, timed as ``ours_rev``."""
     import torch
 
     from dora_torch import config
 
     defaults = {key: getattr(config, key) for key in SWITCHES}
     ids = torch.randint(0, bm.VOCAB, (batch, bm.SEQ), device="cuda")
+    names = variants_for(mode, variants)
+    if rev is not None:
+        names.insert(names.index("ours") + 1, "ours_rev")
     steps = {}
     try:
-        for name in variants_for(mode, variants):
-            prefix, overrides = VARIANTS[name]
+        for name in names:
+            prefix, overrides = VARIANTS.get(name, ("peft_dora", {}))
             torch.manual_seed(0)
             model = bm._wrap(bm.build_base(layers), f"{prefix}_{adapters}", rank)
+            if name == "ours_rev":
+                rev[0].accelerate_peft(model)
             options = INDUCTOR_OPTIONS.get(name)
             steps[name] = _stepper(model, ids, {**defaults, **overrides}, mode, options)
         for step in steps.values():
@@ -158,8 +169,8 @@ def measure(
              "bwd_host_ms": round(t[2], 2)}
             for i, t in enumerate(samples)
         ]  # fmt: skip
-        row = {"variant": name, "mode": mode, "adapters": adapters, "rank": rank,
-               "batch": batch, "rounds": rounds}  # fmt: skip
+        row = {"variant": name, "rev": rev[1] if name == "ours_rev" else "", "mode": mode,
+               "adapters": adapters, "rank": rank, "batch": batch, "rounds": rounds}  # fmt: skip
         for i, what in enumerate(("step", "fwd_host", "bwd_host")):
             values = [s[i] for s in samples]
             row[f"{what}_min_ms"] = round(min(values), 2)
@@ -173,13 +184,17 @@ def run(out_dir: pathlib.Path) -> list[dict]:
     return _bench(out_dir, [16, 384], ["bf16", "fp32"], rounds=15)
 
 
-def _bench(out_dir, ranks, adapters, *, rounds, variants=None, mode="eager") -> list[dict]:
+def _bench(
+    out_dir, ranks, adapters, *, rounds, variants=None, mode="eager", rev=None
+) -> list[dict]:
     out_dir = pathlib.Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     rows, rounds_rows, summary, meta = [], [], [], bm._meta()
     for rank in ranks:
         for setting in adapters:
-            got, per_round = measure(rank, setting, rounds=rounds, variants=variants, mode=mode)
+            got, per_round = measure(
+                rank, setting, rounds=rounds, variants=variants, mode=mode, rev=rev
+            )
             got = [{**meta, **row} for row in got]
             rows += got
             rounds_rows += per_round
@@ -191,15 +206,17 @@ def _bench(out_dir, ranks, adapters, *, rounds, variants=None, mode="eager") -> 
                     f"{r['fwd_host_min_ms']:6.2f} | bwd host {r['bwd_host_min_ms']:6.2f} ms",
                     flush=True,
                 )
-            ratio = by["ours"]["step_median_ms"] / by["peft_lora"]["step_median_ms"]
             target = 1.25 if mode == "eager" else 1.10  # issue 10's targets
-            summary.append({
-                "bench": "step_interleaved",
-                "metric": f"ours/LoRA train median [r={rank} b=1 {mode} {setting}-adapters]",
-                "value": ratio,
-                "target": f"<= {target}",
-                "ok": ratio <= target,
-            })  # fmt: skip
+            for name in ("ours", "ours_rev") if rev is not None else ("ours",):
+                ratio = by[name]["step_median_ms"] / by["peft_lora"]["step_median_ms"]
+                label = name if name == "ours" else f"ours@{rev[1]}"
+                summary.append({
+                    "bench": "step_interleaved",
+                    "metric": f"{label}/LoRA train median [r={rank} b=1 {mode} {setting}-adapters]",
+                    "value": ratio,
+                    "target": f"<= {target}",
+                    "ok": ratio <= target,
+                })  # fmt: skip
     write_csv(out_dir / "step_interleaved.csv", rows, FIELDS)
     write_csv(out_dir / "step_interleaved_rounds.csv", rounds_rows)  # every sample, in order
     return summary
@@ -216,11 +233,22 @@ def main(argv=None) -> int:
         "--variants", nargs="+", default=None, choices=list(VARIANTS),
         help="a subset (peft_lora and ours are always run: the summary's ratio needs them)",
     )  # fmt: skip
+    ap.add_argument(
+        "--rev", default=None, metavar="DIR",
+        help="also time the revision that `python3 -m benchmarks.revision_copy REV --dest DIR` "
+        "wrote (variant ours_rev)",
+    )  # fmt: skip
     args = ap.parse_args(argv)
     variants = None if args.variants is None else {"peft_lora", "ours", *args.variants}
+    rev = None
+    if args.rev is not None:
+        from benchmarks.revision_copy import load
+
+        rev = load(pathlib.Path(args.rev))
     rows = _bench(
-        args.out, args.ranks, args.adapters, rounds=args.rounds, variants=variants, mode=args.mode
-    )
+        args.out, args.ranks, args.adapters, rounds=args.rounds, variants=variants,
+        mode=args.mode, rev=rev,
+    )  # fmt: skip
     for row in rows:
         print(f"{row['metric']}: {row['value']:.3f}")
     return 0
