@@ -142,7 +142,8 @@ def measure(
     steps = {}
     try:
         for name in names:
-            prefix, overrides = VARIANTS.get(name, ("peft_dora", {}))
+            # ours_rev: PEFT DoRA accelerated below by the earlier revision's package
+            prefix, overrides = ("peft_dora", {}) if name == "ours_rev" else VARIANTS[name]
             torch.manual_seed(0)
             model = bm._wrap(bm.build_base(layers), f"{prefix}_{adapters}", rank)
             if name == "ours_rev":

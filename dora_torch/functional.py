@@ -123,8 +123,8 @@ def module_dora_linear(
     if computed != cache.norm_computations and not module.training:
         write_norm_buffer(module, norm)  # eager eval calls keep the compiled graphs' copy fresh
     # The cache's entry is the norm of this tier and dtype: straight to the products.
-    y = _run(x, weight, lora_A, lora_B, magnitude, norm, scaling, bias, tier, dropout_p,
-             training, (a, b))  # fmt: skip
+    y = _run(x, weight, lora_A, lora_B, magnitude, norm, scaling, bias, tier=tier,
+             dropout_p=dropout_p, training=training, adapters=(a, b))  # fmt: skip
     return y, tier
 
 
@@ -172,12 +172,13 @@ def _dora_linear(
                 f"inputs); got {norm.dtype} {tuple(norm.shape)}"
             )
         n = norm.detach()
-    y = _run(x, weight, lora_A, lora_B, magnitude, n, scaling, bias, tier, dropout_p, training)
+    y = _run(x, weight, lora_A, lora_B, magnitude, n, scaling, bias, tier=tier,
+             dropout_p=dropout_p, training=training)  # fmt: skip
     return y, tier
 
 
 def _run(
-    x, weight, lora_A, lora_B, magnitude, n, scaling, bias, tier, dropout_p, training,
+    x, weight, lora_A, lora_B, magnitude, n, scaling, bias, *, tier, dropout_p, training,
     adapters=None,
 ):  # fmt: skip
     """The products and the composition on validated arguments: ``tier`` resolved ("fused" |

@@ -16,6 +16,12 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32) if found is None else found
 
 
+def as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t`` in ``dtype``: the same tensor when it already is (no dispatcher call on the hot
+    path), else a cast."""
+    return t if t.dtype == dtype else t.to(dtype)
+
+
 def mm_out(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``a @ b`` returned in ``dtype``, with fp32 accumulation.
 

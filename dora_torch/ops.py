@@ -45,7 +45,7 @@ import torch
 
 from . import config
 from .compose import compose, compose_dropout, magnitude_scale, magnitude_scale_minus_one
-from .matmul import addmm_inplace, compute_dtype, scaled_mm
+from .matmul import addmm_inplace, as_dtype, compute_dtype, scaled_mm
 
 SAVE_NONE, SAVE_INNER, SAVE_RECOVER = 0, 1, 2
 
@@ -175,16 +175,12 @@ def backward_core(
     return (
         dx,
         dx_d,
-        _as(dA, dA_dtype),
-        _as(dB, dB_dtype),
-        _as(dm, magnitude.dtype),
+        as_dtype(dA, dA_dtype),
+        as_dtype(dB, dB_dtype),
+        as_dtype(dm, magnitude.dtype),
         dn,
-        None if dbias is None else _as(dbias, bias.dtype),
+        None if dbias is None else as_dtype(dbias, bias.dtype),
     )
-
-
-def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return t if t.dtype == dtype else t.to(dtype)
 
 
 def _grad_dtype(param_dtype: torch.dtype, dt: torch.dtype, acc: torch.dtype) -> torch.dtype:

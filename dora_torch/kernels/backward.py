@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from .. import config
+from ..matmul import as_dtype
 from .common import cdiv, check_launchable, dot_fp32, dot_precision, unit_stride
 from .launch import Launcher
 
@@ -262,9 +263,8 @@ def scale_reduce(
     dyg = torch.empty((M, N), dtype=dy.dtype, device=dy.device)
     dyg1 = torch.empty_like(dyg) if dropout else None
     if M == 0 or N == 0:
-        zeros = torch.zeros(N, dtype=torch.float32, device=dy.device)
-        dm = zeros if dm_dtype == torch.float32 else zeros.to(dm_dtype)
-        return dyg, dyg1, dm, (zeros.clone() if need_dbias else None)
+        dbias = torch.zeros(N, dtype=torch.float32, device=dy.device) if need_dbias else None
+        return dyg, dyg1, torch.zeros(N, dtype=dm_dtype, device=dy.device), dbias
     if recover:
         if x is None or weight is None or h is None or lora_B is None:
             raise ValueError("scale_reduce(recover=True) needs x, weight, h and lora_B")
@@ -347,9 +347,9 @@ def scale_reduce(
             BLOCK_R=config.interp_small(config.BWD_BLOCK_R),
             num_warps=cfg.num_warps,
         )
-        return dyg, dyg1, (dm if store_dtype == dm_dtype else dm.to(dm_dtype)), None
+        return dyg, dyg1, as_dtype(dm, dm_dtype), None
     if parts == 1:  # one token chunk: the partial sums are the sums (saves a launch each)
         dm, dbias = dm_part[0], (db_part[0] if need_dbias else None)
     else:
         dm, dbias = dm_part.sum(0), (db_part.sum(0) if need_dbias else None)
-    return dyg, dyg1, (dm if dm_dtype == torch.float32 else dm.to(dm_dtype)), dbias
+    return dyg, dyg1, as_dtype(dm, dm_dtype), dbias
