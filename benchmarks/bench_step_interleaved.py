@@ -86,6 +86,22 @@ def variants_for(mode: str, requested=None) -> list[str]:
     return out
 
 
+#: Compiled models one process may hold (variants × ranks × adapter settings).
+COMPILED_MODELS_MAX = 64
+
+
+def _allow_recompiles(models: int) -> None:
+    """Let Dynamo compile the same code (PeftModel.forward, the decoder layers) for ``models``
+    model instances: each instance is one more recompile of those frames, and past Dynamo's
+    default limit (8) the rest ran eager in a compiled variant's rows (run 72's
+    ``ours_static_launch`` at r = 384, the tenth model of its process)."""
+    import torch._dynamo
+
+    cfg = torch._dynamo.config
+    name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
+    setattr(cfg, name, max(getattr(cfg, name), models))
+
+
 def _stepper(model, ids, settings: dict, mode: str = "eager", options: dict | None = None):
     import torch
 
@@ -98,6 +114,7 @@ def _stepper(model, ids, settings: dict, mode: str = "eager", options: dict | No
     if mode != "eager":
         # torch.compile takes a mode or options, not both: reduce-overhead is this option
         opts = {**(options or {}), **({"triton.cudagraphs": True} if mode != "compile" else {})}
+        _allow_recompiles(COMPILED_MODELS_MAX)
         run = torch.compile(model, options=opts or None)
 
     def step():

@@ -53,13 +53,15 @@ def resources(
     *,
     unit_strides: tuple[str, ...] = (),
     fp32_pointers: tuple[str, ...] = (),
+    int32_pointers: tuple[str, ...] = (),
     floats: tuple[str, ...] = (),
     num_warps: int,
     num_stages: int = 3,
 ) -> Resources:
     """Compile ``kernel`` (a ``@triton.jit`` function) for sm_90 and read its resources.
 
-    Parameters ending in ``_ptr`` are bf16 pointers unless named in ``fp32_pointers``;
+    Parameters ending in ``_ptr`` are bf16 pointers unless named in ``fp32_pointers`` or
+    ``int32_pointers``;
     ``constexprs`` gives the constexpr values; ``unit_strides`` are specialised to 1 (as
     Triton does for a stride of 1); ``floats`` are fp32 scalars; every other parameter is an
     int32 divisible by 16."""
@@ -77,7 +79,8 @@ def resources(
             signature[name] = "constexpr"
             values[(i,)] = constexprs.get(name, 1)
         elif name.endswith("_ptr"):
-            signature[name] = "*fp32" if name in fp32_pointers else "*bf16"
+            kind = "fp32" if name in fp32_pointers else "i32" if name in int32_pointers else "bf16"
+            signature[name] = "*" + kind
             attrs[(i,)] = [["tt.divisibility", 16]]
         elif name in floats:
             signature[name] = "fp32"
@@ -104,9 +107,13 @@ def resources(
 
 def scale_reduce_resources(cfg, *, recover: bool, dropout: bool, has_dbias: bool) -> Resources:
     """The backward's scale-and-reduce pass (``kernels/backward._scale_reduce_kernel``) at one
-    ``config.ReduceConfig``."""
+    ``config.ReduceConfig`` (in recover mode with the finish of dm, ``_finish_dm``, that the
+    last program of each column block runs)."""
+    import torch
+
     from dora_torch import config
     from dora_torch.kernels import backward
+    from dora_torch.kernels.common import dot_fp32, dot_precision
 
     return resources(
         backward._scale_reduce_kernel,
@@ -115,12 +122,19 @@ def scale_reduce_resources(cfg, *, recover: bool, dropout: bool, has_dbias: bool
             "RECOVER": recover,
             "DROPOUT": dropout,
             "HAS_DBIAS": has_dbias,
+            "DOT_FP32": dot_fp32(torch.bfloat16),
+            "DOT_PRECISION": dot_precision(torch.bfloat16),
             "BLOCK_M": cfg.block_m,
             "BLOCK_N": cfg.block_n,
+            "SUB_M": config.BWD_SUB_M,
+            "SUB_N": min(config.BWD_SUB_N, cfg.block_n),
+            "BLOCK_D": config.BWD_BLOCK_D,
+            "BLOCK_R": config.BWD_BLOCK_R,
         },
-        unit_strides=("stride_dyn", "stride_sn", "stride_gn"),
+        unit_strides=("stride_dyn", "stride_sn", "stride_gn", "stride_xd", "stride_wd"),
         fp32_pointers=("m_ptr", "n_ptr", "dm_part_ptr", "db_part_ptr"),
-        floats=("OUT_MAX",),
+        int32_pointers=("tickets_ptr",),
+        floats=("OUT_MAX", "s"),
         num_warps=cfg.num_warps,
     )
 

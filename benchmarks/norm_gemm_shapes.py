@@ -6,8 +6,9 @@ W [d_out, d_in] ∈ {q/o 4096², k/v 1024 × 4096, gate/up 14336 × 4096, down 4
 2048 tokens, r = 384 and 16, bf16, ``triton.testing.do_bench`` means.
 
 ``forms``: U = W·aᵀ as the norm forms it (fp32 out), in bf16 out, transposed (Uᵀ = a·Wᵀ), in
-row blocks of 8192 (``config.NORM_U_ELEMENTS`` at r = 384); G = a·aᵀ; B·G in fp32 (what the
-bf16x3 assembly replaces); the base GEMM x·Wᵀ for the rate a large GEMM reaches. Per form,
+row blocks of 8192 (``config.NORM_U_ELEMENTS`` at r = 384 until session 20); G = a·aᵀ; B·G in
+fp32 (what the bf16x3 assembly replaces); the base GEMM x·Wᵀ for the rate a large GEMM
+reaches. Per form,
 TFLOP/s and the total over one 8-layer step.
 
 ``splitk``: G and U as a batch of K-slices (strided views, no copy) summed afterwards,

@@ -23,9 +23,11 @@ NORM_CHUNK = 2048
 
 #: Elements of U = W Aᵀ (fp32) formed at a time when the detached norm is computed: rows
 #: of W are taken in blocks of max(1, NORM_U_ELEMENTS // r), so the norm's transient stays
-#: bounded (12 MiB) for wide layers at large r, while small r needs a single block (each
-#: extra block costs launches on host-bound steps).
-NORM_U_ELEMENTS = 8192 * 384
+#: bounded (24 MiB) for wide layers at large r, while small r needs a single block (each
+#: extra block costs launches on host-bound steps, and in a compiled graph a second split of
+#: G, B·G GEMM and row kernel plus a ``cat``): one block up to 16384 rows at r = 384, which
+#: covers a Llama-8B MLP (14336).
+NORM_U_ELEMENTS = 16384 * 384
 
 
 def norm_row_chunk(r: int) -> int:
@@ -161,7 +163,11 @@ BWD_CANDIDATES = (
     ReduceConfig(16, 128, 4, 256),
 )
 BWD = BWD_CANDIDATES[0]
-#: Contraction blocks of the zero-magnitude recompute (x W_colsᵀ over d_in, h B_colsᵀ over r).
+#: Tiles of the zero-magnitude recompute in recover mode: [BWD_SUB_M tokens, BWD_SUB_N columns]
+#: (smaller than the pass's, whose kernel it shares: at the pass's tile it set the kernel's
+#: registers, 248 against 125), contracted over d_in and r in steps of BWD_BLOCK_D, BWD_BLOCK_R.
+BWD_SUB_M = 16
+BWD_SUB_N = 32
 BWD_BLOCK_D = 32
 BWD_BLOCK_R = 32
 

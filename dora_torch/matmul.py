@@ -52,9 +52,12 @@ def _unused_input(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return t
 
 
-def _scaled_mm_impl(a: torch.Tensor, b: torch.Tensor, alpha: float, dtype: torch.dtype):
-    """The body of ``scaled_mm``, eager and inside the op compiled graphs call."""
-    unused = _unused_input(dtype, a.device).expand(a.shape[0], b.shape[1])
+def _scaled_mm_impl(
+    a: torch.Tensor, b: torch.Tensor, alpha: float, dtype: torch.dtype, unused: torch.Tensor
+):
+    """The body of ``scaled_mm``, eager and inside the op compiled graphs call; ``unused``: a
+    0-d tensor of ``dtype`` for addmm's ignored input."""
+    unused = unused.expand(a.shape[0], b.shape[1])
     if dtype == a.dtype:
         return torch.addmm(unused, a, b, beta=0, alpha=alpha)
     if dtype == torch.float32 and a.is_cuda and a.dtype in (torch.bfloat16, torch.float16):
@@ -80,7 +83,7 @@ def scaled_mm(a: torch.Tensor, b: torch.Tensor, alpha: float, dtype: torch.dtype
     [r, d_in] or [d_out, r] round trip per adapter gradient."""
     if torch.compiler.is_compiling():
         return _scaled_mm(a, b, alpha, dtype)
-    return _scaled_mm_impl(a, b, alpha, dtype)
+    return _scaled_mm_impl(a, b, alpha, dtype, _unused_input(dtype, a.device))
 
 
 # Ops for compiled graphs, defined with the low-level ``torch.library.Library`` rather than
@@ -110,7 +113,15 @@ def _scaled_mm_fake(a: torch.Tensor, b: torch.Tensor, alpha: float, dtype: torch
     return a.new_empty((a.shape[0], b.shape[1]), dtype=dtype)
 
 
-_LIB.impl("scaled_mm", _scaled_mm_impl, "CompositeExplicitAutograd")
+def _scaled_mm_op(a: torch.Tensor, b: torch.Tensor, alpha: float, dtype: torch.dtype):
+    """The op's body in compiled graphs: the eager one, with an ignored input of its own per
+    call. The eager path's cached one would be allocated by the first compiled call, inside
+    a CUDA graph tree's memory pool under mode="reduce-overhead", and outlive that graph,
+    which the tree refuses ("tensor(s) in the cudagraph pool not tracked as outputs")."""
+    return _scaled_mm_impl(a, b, alpha, dtype, a.new_empty((), dtype=dtype))
+
+
+_LIB.impl("scaled_mm", _scaled_mm_op, "CompositeExplicitAutograd")
 torch.library.register_fake("dora_torch::scaled_mm", _scaled_mm_fake, lib=_LIB)
 _scaled_mm = torch.ops.dora_torch.scaled_mm.default
 

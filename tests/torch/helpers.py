@@ -218,3 +218,16 @@ def uncached_output(layer, x, *, impl="eager"):
         impl=impl,
         base_sq=dora_torch.norm.base_sq_norm(layer.weight),
     )
+
+
+def scale_reduce_inputs(T, N, D, R, *, seed, device="cpu", dtype=torch.float32) -> dict:
+    """Random inputs of ``kernels.backward.scale_reduce`` in recover mode: x [T, D], W [N, D],
+    h [T, R], B [N, R], dy and saved (y) [T, N] in ``dtype``; m, n [N] fp32 in [0.5, 1.5)."""
+    g = torch.Generator(device=device).manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, device=device, generator=g).to(dtype)
+
+    x, W, h, B, dy, saved = (randn(*s) for s in ((T, D), (N, D), (T, R), (N, R), (T, N), (T, N)))
+    m, n = (torch.rand(N, device=device, generator=g) + 0.5 for _ in range(2))
+    return dict(x=x, W=W, h=h, B=B, dy=dy, saved=saved, m=m, n=n)

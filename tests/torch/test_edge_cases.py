@@ -14,7 +14,7 @@ from dora_torch import config
 from dora_torch.kernels.compose import compose_elementwise, compose_forward
 from shared_spec.tolerances import assert_close
 
-from .helpers import dense_baseline, random_case_tensors, uncached_output
+from .helpers import dense_baseline, random_case_tensors, scale_reduce_inputs, uncached_output
 
 IMPLS = ["eager", "fused"]
 
@@ -607,12 +607,7 @@ def test_scale_reduce_returns_dm_in_the_magnitude_dtype(recover, dm_dtype):
     test_gpu.py::test_cuda_dm_finish_stores_dm_rounded_once_in_the_magnitude_dtype."""
     from dora_torch.kernels import backward
 
-    g = torch.Generator().manual_seed(5)
-    T, N, D, R = 150, 40, 24, 4
-    x, W = torch.randn(T, D, generator=g), torch.randn(N, D, generator=g)
-    h, B = torch.randn(T, R, generator=g), torch.randn(N, R, generator=g)
-    dy, saved = torch.randn(T, N, generator=g), torch.randn(T, N, generator=g)
-    m, n = torch.rand(N, generator=g) + 0.5, torch.rand(N, generator=g) + 0.5
+    x, W, h, B, dy, saved, m, n = scale_reduce_inputs(150, 40, 24, 4, seed=5).values()
     m[3] = 0  # recover mode recomputes inner for this column in the finishing kernel
     kw = dict(recover=recover, dropout=False, need_dbias=False, x=x, weight=W, h=h,
               lora_B=B, scaling=0.5)  # fmt: skip
@@ -620,6 +615,27 @@ def test_scale_reduce_returns_dm_in_the_magnitude_dtype(recover, dm_dtype):
     got = backward.scale_reduce(dy, saved, m, n, dm_dtype=dm_dtype, **kw)[2]
     assert ref.dtype == torch.float32 and got.dtype == dm_dtype
     assert torch.equal(got, ref.to(dm_dtype))
+
+
+def test_scale_reduce_recover_finishes_dm_in_its_one_launch(monkeypatch):
+    """In recover mode the pass finishes dm itself: one launch over (token chunks × column
+    blocks), whose last program per column block adds the partials up (the interpreter runs
+    programs in order; test_gpu.py races them). Its ticket counters come from one buffer per
+    device and stream, left at zero by every launch, and reused by the next."""
+    from dora_torch.kernels import backward
+    from dora_torch.kernels.workspace import ticket_counters
+
+    grids = _record_grids(monkeypatch, backward, "_launch_scale_reduce")
+    x, W, h, B, dy, y, m, n = scale_reduce_inputs(200, 40, 24, 4, seed=11).values()
+    kw = dict(recover=True, dropout=False, need_dbias=False, x=x, weight=W, h=h, lora_B=B)
+    dm = backward.scale_reduce(dy, y, m, n, **kw)[2]
+    assert grids == [(4, 2)]  # 64-token chunks × 32-column blocks under the interpreter
+    tickets = ticket_counters(dy.device, 2)
+    assert not tickets.any()
+    ref = ((dy.double() * y.double() * (n / m).double()).sum(0) / n.double()).float()
+    torch.testing.assert_close(dm, ref, rtol=1e-5, atol=1e-5)
+    again = backward.scale_reduce(dy, y, m, n, **kw)[2]
+    assert torch.equal(again, dm) and ticket_counters(dy.device, 2) is tickets
 
 
 def test_scale_reduce_recover_refuses_a_bias_gradient():

@@ -16,7 +16,7 @@ import dora_torch
 from shared_spec import cases
 from shared_spec.tolerances import assert_close
 
-from .helpers import check_tier
+from .helpers import check_tier, scale_reduce_inputs
 
 pytestmark = pytest.mark.gpu
 
@@ -204,6 +204,46 @@ def test_cuda_zero_magnitude_columns_recompute_inner(dtype):
     )
 
 
+def test_cuda_recover_pass_finishes_dm_deterministically_across_programs():
+    """The last program of each column block adds the partials of every token chunk: with
+    256 chunks racing per block, dm is bit-identical over repeated launches (a fixed order)
+    and matches float64 (a partial read before it was written would not), the tickets are
+    back at zero afterwards, and a CUDA-graph capture (its own zeroed tickets) replays to
+    the same bits."""
+    import dataclasses
+
+    from dora_torch import config
+    from dora_torch.kernels import backward
+    from dora_torch.kernels.workspace import ticket_counters
+
+    v = scale_reduce_inputs(8192, 3000, 64, 16, seed=9, device="cuda", dtype=torch.bfloat16)
+    x, W, h, B, dy, y, m, n = v.values()
+    m[::101] = 0  # blocks whose finishing program also recomputes inner
+    cfg = dataclasses.replace(config.BWD, min_programs=10**6)  # block_m tokens per chunk
+    args = dict(recover=True, dropout=False, need_dbias=False, x=x, weight=W, h=h,
+                lora_B=B, scaling=0.5, reduce_config=cfg)  # fmt: skip
+    first = backward.scale_reduce(dy, y, m, n, **args)[2]
+    for _ in range(20):
+        assert torch.equal(backward.scale_reduce(dy, y, m, n, **args)[2], first)
+    torch.cuda.synchronize()
+    assert not ticket_counters(dy.device, 1024).any()
+    inner = (y.double() / (m / n).double()).where(m != 0, 0.0)
+    inner[:, m == 0] = (x.double() @ W.double().t() + 0.5 * h.double() @ B.double().t())[:, m == 0]
+    terms = dy.double() * inner
+    # fp32 sums of 256 partials: far under 4e-5·Σ|terms|; one chunk (32 tokens) missing or
+    # read before it was written is ~100× over it.
+    err = (first.double() - terms.sum(0) / n.double()).abs()
+    assert (err <= 4e-5 * terms.abs().sum(0) / n.double()).all()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = backward.scale_reduce(dy, y, m, n, **args)[2]
+    for _ in range(3):
+        captured.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(captured, first)
+
+
 @pytest.mark.parametrize("dm_dtype", [torch.bfloat16, torch.float16])
 def test_cuda_dm_finish_stores_dm_rounded_once_in_the_magnitude_dtype(dm_dtype):
     """The kernel that finishes dm stores it in the magnitude's dtype: bit-equal to the fp32
@@ -211,13 +251,8 @@ def test_cuda_dm_finish_stores_dm_rounded_once_in_the_magnitude_dtype(dm_dtype):
     inner the kernel recomputes) included."""
     from dora_torch.kernels import backward
 
-    g = torch.Generator(device="cuda").manual_seed(5)
-    T, N, D, R = 600, 1000, 256, 16
-    kw = dict(device="cuda", generator=g)
-    x, W = torch.randn(T, D, **kw).bfloat16(), torch.randn(N, D, **kw).bfloat16()
-    h, B = torch.randn(T, R, **kw).bfloat16(), torch.randn(N, R, **kw).bfloat16()
-    dy, y = torch.randn(T, N, **kw).bfloat16(), torch.randn(T, N, **kw).bfloat16()
-    m, n = torch.rand(N, **kw) + 0.5, torch.rand(N, **kw) + 0.5
+    v = scale_reduce_inputs(600, 1000, 256, 16, seed=5, device="cuda", dtype=torch.bfloat16)
+    x, W, h, B, dy, y, m, n = v.values()
     m[::97] = 0
     args = dict(recover=True, dropout=False, need_dbias=False, x=x, weight=W, h=h,
                 lora_B=B, scaling=0.5)  # fmt: skip
