@@ -1,12 +1,13 @@
-"""``benchmarks/bench_step_interleaved.variants_for``: which variants a mode times (compiled
-graphs are traced with the dora_torch config of their first call, so compiled rounds cannot
-switch it per step; Inductor options mean nothing in eager mode)."""
+"""``benchmarks/bench_step_interleaved``: which variants a mode times (``variants_for``:
+compiled graphs are traced with the dora_torch config of their first call, so compiled rounds
+cannot switch it per step; Inductor options mean nothing in eager mode), and the summary's
+ratios (``ratios``: each optimizer's rows against PEFT LoRA under the same optimizer)."""
 
 from __future__ import annotations
 
 import pytest
 
-from benchmarks.bench_step_interleaved import INDUCTOR_OPTIONS, VARIANTS, variants_for
+from benchmarks.bench_step_interleaved import INDUCTOR_OPTIONS, VARIANTS, ratios, variants_for
 
 
 def test_eager_runs_every_variant_without_inductor_options():
@@ -24,3 +25,23 @@ def test_compiled_modes_run_only_variants_without_config_overrides(mode):
 def test_an_unknown_mode_is_refused_by_name():
     with pytest.raises(ValueError, match="mode must be one of"):
         variants_for("jit")
+
+
+def _row(variant, optim, median, mode="eager"):
+    return {"variant": variant, "optim": optim, "step_median_ms": median, "mode": mode,
+            "rank": 16, "batch": 1, "adapters": "bf16"}  # fmt: skip
+
+
+def test_ratios_compare_each_optimizer_with_lora_under_the_same_optimizer():
+    rows = [_row("peft_lora", "foreach", 40.0), _row("ours", "foreach", 44.0),
+            _row("peft_lora", "fused", 50.0), _row("ours", "fused", 70.0),
+            _row("ours_rev", "fused", 55.0), _row("peft_dora", "fused", 80.0)]  # fmt: skip
+    got = {r["metric"]: (round(r["value"], 6), r["ok"]) for r in ratios(rows, "abc1234")}
+    assert got == {
+        "ours/LoRA train median [r=16 b=1 eager foreach bf16-adapters]": (1.1, True),
+        "ours/LoRA train median [r=16 b=1 eager fused bf16-adapters]": (1.4, False),
+        "ours@abc1234/LoRA train median [r=16 b=1 eager fused bf16-adapters]": (1.1, True),
+    }
+    compiled = ratios([_row("peft_lora", "fused", 40.0, "compile"),
+                       _row("ours", "fused", 45.0, "compile")])  # fmt: skip
+    assert [(r["target"], r["ok"]) for r in compiled] == [("<= 1.1", False)]
