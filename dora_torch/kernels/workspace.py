@@ -1,8 +1,8 @@
 """Ticket counters: the workspace of the kernels whose programs elect a finisher.
 
-A kernel that splits one output block over several programs (token chunks in
-``backward._scale_reduce_kernel``, K-slices in ``splitk._mm_nt_splitk_kernel``) lets each
-program store its fp32 partial, then take a ticket: an int32 atomic per output block, acq_rel,
+A kernel that splits one output block over several programs (the token chunks of
+``backward._scale_reduce_kernel`` in recover mode) lets each program store its fp32 partial,
+then take a ticket: an int32 atomic per output block, acq_rel,
 after a CTA barrier, so that every thread's partial store is ordered before it (CUTLASS's
 serial split-K semaphore). The program that draws the last ticket adds the partials up in a
 fixed order (deterministic: the only atomic is the counter, never a sum) and sets the counter
