@@ -14,7 +14,10 @@ Providers (each on a fresh ``nnx.merge`` of the same base state; bf16 activation
   - ``ours_f32`` / ``ours_bf16``: ``dora_jax.inject`` (DoraDense, ``impl="auto"``) with f32
     (the default) / bf16 adapter parameters; ‖K‖² cached (``cache_base_sq``; K is frozen);
   - ``ours_mosaic``: as ``ours_bf16`` with ``impl="mosaic"`` (the Mosaic GPU compose on
-    Hopper, which every projection's shape here takes; XLA elsewhere).
+    Hopper, which every projection's shape here takes; XLA elsewhere);
+  - ``ours_bf16_f32_gram``: as ``ours_bf16`` with the norm's G·b as an f32 HIGHEST product
+    (``config.NORM_GEMM_BF16X3`` off while its programs are traced), the A/B of the bf16x3
+    Gram term.
 
 ``DORA_BENCH_JAX_PROVIDERS`` (comma-separated) runs a subset; jnp_lora is needed for ratios.
 
@@ -30,6 +33,7 @@ XLA's compiled temp sizes (``memory_analysis``) for each.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import os
@@ -51,8 +55,9 @@ PROVIDERS = {
     "ours_f32": "ours (dora_jax.inject), f32 adapter params",
     "ours_bf16": "ours (dora_jax.inject), bf16 adapter params",
     "ours_mosaic": "ours (dora_jax.inject, impl='mosaic': the Mosaic GPU compose), bf16 adapters",
+    "ours_bf16_f32_gram": "ours_bf16 with the norm's G·b in f32 (NORM_GEMM_BF16X3 off)",
 }
-OURS = ("ours_f32", "ours_bf16", "ours_mosaic")
+OURS = ("ours_f32", "ours_bf16", "ours_mosaic", "ours_bf16_f32_gram")
 # Issue 14's training-step targets (≤ 1.05× jnp LoRA, ≥ 1.2× faster than naive jnp DoRA); the
 # inference and grad-only lines keep the torch model targets' 1.10×.
 TARGETS = {
@@ -191,6 +196,19 @@ def _adapt(model, name: str, rank: int):
     for _, node in nnx.iter_graph(model):
         if isinstance(node, DoraDense):
             node.cache_base_sq()
+
+
+@contextlib.contextmanager
+def _norm_gemm_bf16x3(on: bool):
+    """``config.NORM_GEMM_BF16X3`` set to ``on`` while a provider's programs are traced."""
+    from dora_jax import config
+
+    before = config.NORM_GEMM_BF16X3
+    config.NORM_GEMM_BF16X3 = on
+    try:
+        yield
+    finally:
+        config.NORM_GEMM_BF16X3 = before
 
 
 def _freeze_norms(model) -> bool:
@@ -338,7 +356,8 @@ def run(out_dir: pathlib.Path) -> list[dict]:
             try:
                 model = nnx.merge(gdef, state)  # a fresh module tree over the same base arrays
                 _adapt(model, name, rank)
-                row.update(_measure(model, ids))
+                with _norm_gemm_bf16x3(name != "ours_bf16_f32_gram"):
+                    row.update(_measure(model, ids))
                 by_name[name] = row
             except Exception as e:  # one failing provider must not end the others
                 traceback.print_exc()

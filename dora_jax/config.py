@@ -90,8 +90,26 @@ def dot_precision(compute_dtype) -> lax.Precision:
 
 #: Precision of the norm's G·b: lora_b enters the assembly at promote(b.dtype, f32) and is
 #: never rounded down (no TF32 on the GPU), whatever the activation dtype (the adapter
-#: precision rule shared with dora_torch; the [r, r]·[r, d_out] product is small).
+#: precision rule shared with dora_torch). Layers with a 16-bit kernel form it from bf16 pairs
+#: instead (``NORM_GEMM_BF16X3``).
 NORM_PRECISION = lax.Precision.HIGHEST
+
+#: On GPUs, form the norm's G·b from bf16 pairs on the tensor cores (``xla_ops.gram_times_b``)
+#: for a layer whose kernel is bf16 or f16 and whose assembly is f32: within 3·2⁻¹⁶ of the
+#: exact product per entry, where the HIGHEST-precision f32 GEMM runs on the CUDA cores
+#: (benchmarks/NOTES.md, session 22). Elsewhere the f32 product is as fast, and kept. The name
+#: and the rule are dora_torch's (``config.NORM_GEMM_BF16X3``). Read when the norm is traced.
+NORM_GEMM_BF16X3 = True
+
+
+def norm_gemm_bf16x3(kernel_dtype, assembly_dtype) -> bool:
+    """Whether the norm of a layer with this kernel dtype, traced now, forms G·b as bf16x3."""
+    return (
+        NORM_GEMM_BF16X3
+        and jnp.dtype(kernel_dtype) in (jnp.bfloat16, jnp.float16)
+        and jnp.dtype(assembly_dtype) == jnp.float32
+        and current_platform() == "gpu"
+    )
 
 
 #: The eigensolver of ScaLoRA's 2r × 2r systems on GPUs: "qr" (cuSOLVER's batched syev at

@@ -11,7 +11,8 @@ the dtype it meets the kernel in for U = aᵀK, and G = aᵀa is formed from the
 both accumulate in acc = promote_types(f32, kernel dtype). lora_b enters the assembly at
 promote(b.dtype, f32), never rounded down to the kernel's dtype. The assembly runs in
 promote(acc, that): f32 for bf16/f16/f32 kernels with f32 adapters, f64 when anything is f64
-(with ``jax_enable_x64``).
+(with ``jax_enable_x64``). With a bf16/f16 kernel, G·b runs on the tensor cores from bf16 pairs
+(``config.NORM_GEMM_BF16X3``, ``xla_ops.gram_times_b``), within 3·2⁻¹⁶ of the f32 product.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from jax import lax
 
 from . import xla_ops
 from .checks import check_adapter, check_chunk_size, check_scaling, check_vector
-from .config import NORM_PRECISION, acc_dtype, check_impl
+from .config import NORM_PRECISION, acc_dtype, check_impl, norm_gemm_bf16x3
 
 # contract axis 0 of both operands: aᵀK and aᵀa without materialising a transpose
 _CONTRACT_0 = (((0,), (0,)), ((), ()))
@@ -107,20 +108,25 @@ def norm_parts(
     The one implementation behind ``factored_norm`` and the custom_vjp's forward; arguments
     already checked.
     """
-    b = lora_b.astype(acc_dtype(lora_b.dtype))  # never rounded down to the kernel's dtype
-    dt = acc_dtype(kernel.dtype, b.dtype)  # the assembly's dtype
     u, gram = norm_gemms(kernel, lora_a, chunk_size=chunk_size)
     if base_sq is None:
         base_sq = base_sq_norm(kernel, chunk_size=chunk_size)
-    return assemble_parts(u, gram, b, base_sq, dt=dt, scaling=scaling, grad_parts=grad_parts)
+    return assemble_parts(
+        u, gram, lora_b, base_sq, kernel_dtype=kernel.dtype, scaling=scaling, grad_parts=grad_parts
+    )
 
 
-def assemble_parts(u, gram, b, base_sq, *, dt, scaling, grad_parts):
-    """(n, w or None) from U, G, b and ‖K‖² (cast to ``dt``), in XLA, and with ``grad_parts``
-    w = s·U + s²·G·b. Shared by ``norm_parts`` and the sharded norm (``dora_jax.sharding``),
-    which only differ in where U, G and ‖K‖² come from."""
-    u, gram, b, base_sq = (v.astype(dt) for v in (u, gram, b, base_sq))
-    gb = xla_ops.gram_times_b(gram, b, precision=NORM_PRECISION)
+def assemble_parts(u, gram, lora_b, base_sq, *, kernel_dtype, scaling, grad_parts):
+    """(n, w or None) from U, G, b and ‖K‖², in XLA, and with ``grad_parts`` w = s·U + s²·G·b.
+    Shared by ``norm_parts`` and the sharded norm (``dora_jax.sharding``), which only differ in
+    where U, G and ‖K‖² come from. The assembly runs in promote(f32, kernel, b) (b never
+    rounded down to the kernel's dtype); G·b as bf16x3 where ``config.norm_gemm_bf16x3``
+    says so (a 16-bit kernel)."""
+    dt = acc_dtype(kernel_dtype, lora_b.dtype)
+    split = norm_gemm_bf16x3(kernel_dtype, dt)
+    u, gram, base_sq = (v.astype(dt) for v in (u, gram, base_sq))
+    gb = xla_ops.gram_times_b(gram, lora_b, precision=NORM_PRECISION, bf16x3=split)
+    b = lora_b.astype(dt)
     n = xla_ops.norm_from_gb(u, gb, b, base_sq, scaling=scaling)
     w = scaling * u + scaling * scaling * gb if grad_parts else None
     return n, w

@@ -46,7 +46,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from .checks import check_adapter, check_chunk_size, check_scaling, check_vector
-from .config import acc_dtype, check_impl
+from .config import check_impl
 from .norm import assemble_parts, base_sq_norm, norm_gemms
 
 P = PartitionSpec
@@ -204,8 +204,6 @@ def sharded_norm_parts(
     has_base_sq = base_sq is not None
 
     def local(kernel, lora_a, lora_b, *rest):
-        b = lora_b.astype(acc_dtype(lora_b.dtype))  # never rounded down to the kernel's dtype
-        dt = acc_dtype(kernel.dtype, b.dtype)
         u, gram = norm_gemms(kernel, lora_a, chunk_size=chunk_size)
         if has_base_sq:
             sq = rest[0]
@@ -215,7 +213,9 @@ def sharded_norm_parts(
             sq = base_sq_norm(kernel, chunk_size=chunk_size)
             if in_axes:
                 u, gram, sq = jax.lax.psum((u, gram, sq), in_axes)
-        n, w = assemble_parts(u, gram, b, sq, dt=dt, scaling=scaling, grad_parts=grad_parts)
+        n, w = assemble_parts(
+            u, gram, lora_b, sq, kernel_dtype=kernel.dtype, scaling=scaling, grad_parts=grad_parts
+        )
         return n if w is None else (n, w)
 
     in_specs = (k_spec, a_spec, b_spec) + ((n_spec,) if has_base_sq else ())

@@ -10,6 +10,7 @@ in their dtype, only the per-column quantities (g, norms, sums) are in the accum
 from __future__ import annotations
 
 import jax.numpy as jnp
+from jax import lax
 
 from shared_spec.compose import EPS
 
@@ -89,14 +90,42 @@ def scale_reduce(dy, saved, g):
     return saturating_scale(dy, g, acc), col
 
 
-def gram_times_b(gram, lora_b, *, precision=None):
+def gram_times_b(gram, lora_b, *, precision=None, bf16x3: bool = False):
     """G·b [r, N] in promote(G, b) (the Gram term of the norm; the exact norm gradient reuses it).
 
-    lora_b is taken at promote(b.dtype, f32): never rounded below f32."""
+    lora_b is taken at promote(b.dtype, f32): never rounded below f32. With ``bf16x3`` (a
+    16-bit kernel, f32 assembly: ``config.norm_gemm_bf16x3``) the product runs on the tensor
+    cores from bf16 pairs, G = G_hi + G_lo and b = b_hi + b_lo, as one GEMM over the stacked
+    contraction [G_hi | G_hi | G_lo] · [b_hi; b_lo; b_hi] with f32 accumulation (the lo·lo
+    term dropped; a bf16 b has no lo part, so two blocks). Every entry is then within
+    3·2⁻¹⁶ Σ_k |G_ik| |b_kj| (plus f32 accumulation) of the exact product: far below the
+    2⁻⁸ / 2⁻¹¹ rounding of a 16-bit layer's output, where the f32 GEMM runs on the CUDA cores
+    (docs/design.md §5; dora_torch's ``bg_bf16x3`` is the same product).
+    """
     dt = acc_dtype(gram.dtype, lora_b.dtype)
+    if not bf16x3:
+        return jnp.dot(
+            gram.astype(dt), lora_b.astype(dt), precision=precision, preferred_element_type=dt
+        )
+    if dt != jnp.float32:
+        raise ValueError(f"bf16x3 needs an f32 assembly; got {dt}")
+    g_hi, g_lo = _bf16_pair(gram.astype(dt))
+    if lora_b.dtype == jnp.bfloat16:
+        left, right = (g_hi, g_lo), (lora_b, lora_b)
+    else:
+        b_hi, b_lo = _bf16_pair(lora_b.astype(dt))
+        left, right = (g_hi, g_hi, g_lo), (b_hi, b_lo, b_hi)
     return jnp.dot(
-        gram.astype(dt), lora_b.astype(dt), precision=precision, preferred_element_type=dt
+        jnp.concatenate(left, axis=1), jnp.concatenate(right, axis=0), preferred_element_type=dt
     )
+
+
+def _bf16_pair(x):
+    """(hi, lo) in bf16 with hi + lo = x to within 2⁻¹⁶|x|: hi is x rounded to nearest bf16
+    by ``reduce_precision`` (an op XLA keeps, unlike an f32 → bf16 → f32 round trip, which
+    its excess-precision rewrites may drop), so x − hi is exact in f32 and only lo rounds."""
+    hi = lax.reduce_precision(x, exponent_bits=8, mantissa_bits=7)
+    return hi.astype(jnp.bfloat16), (x - hi).astype(jnp.bfloat16)
 
 
 def norm_from_gb(u, gb, lora_b, base_sq, *, scaling: float):

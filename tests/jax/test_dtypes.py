@@ -256,7 +256,8 @@ def _rule_reference(kernel, lora_a, lora_b, scaling):
 @pytest.mark.parametrize("kernel_dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
 def test_norm_rounds_a_to_the_kernel_dtype_but_not_b(kernel_dtype):
     """A low-precision kernel with f32 adapters: the norm equals the rule's float64 value to f32
-    accuracy. Rounding b to the kernel's dtype as well (the old behaviour) is ~1e-3 off."""
+    accuracy (off the GPU, where G·b stays an f32 product; on GPUs it is bf16x3, tested
+    below). Rounding b to the kernel's dtype as well (the old behaviour) is ~1e-3 off."""
     rng = np.random.default_rng(7)
     d_in, d_out, r, s = 96, 40, 8, 1.7
     kernel = jnp.asarray(rng.standard_normal((d_in, d_out)) / np.sqrt(d_in), kernel_dtype)
@@ -273,3 +274,94 @@ def test_norm_rounds_a_to_the_kernel_dtype_but_not_b(kernel_dtype):
     k64 = np.asarray(kernel.astype(jnp.float32), np.float64)
     W, A, B = S.from_flax_layout(k64, np.asarray(lora_a, np.float64), np.asarray(lora_b))
     assert np.max(np.abs(S.factored_norm(W, A, B, s) / ref - 1)) > 1e-5
+
+
+# ------------------------------------------------------------------------------------------
+# G·b from bf16 pairs (config.NORM_GEMM_BF16X3: GPUs, 16-bit kernels)
+# ------------------------------------------------------------------------------------------
+
+
+def _gram_and_b(r, d_out, b_dtype, seed=3):
+    rng = np.random.default_rng(seed)
+    a = rng.standard_normal((200, r)) / np.sqrt(200)
+    gram = jnp.asarray(a.T @ a, jnp.float32)  # symmetric, like aᵀa
+    b = jnp.asarray(rng.standard_normal((r, d_out)) * np.exp(rng.uniform(-4, 2, d_out)), b_dtype)
+    return gram, b
+
+
+@pytest.mark.parametrize("b_dtype", [jnp.float32, jnp.bfloat16, F16], ids=["f32", "bf16", "f16"])
+def test_bf16x3_gram_times_b_is_within_its_bound(b_dtype):
+    """Every entry within 3·2⁻¹⁶ Σ_k |G_ik||b_kj| (+ f32 accumulation) of the float64 product,
+    where one bf16 product (the bound it improves on) is off by ~2⁻⁹ of the same sum."""
+    from dora_jax.xla_ops import gram_times_b
+
+    r, d_out = 24, 300
+    gram, b = _gram_and_b(r, d_out, b_dtype)
+    g64, b64 = np.asarray(gram, np.float64), np.asarray(b.astype(jnp.float32), np.float64)
+    exact, scale = g64 @ b64, np.abs(g64) @ np.abs(b64)
+    got = np.asarray(jax.jit(lambda g, b: gram_times_b(g, b, bf16x3=True))(gram, b), np.float64)
+    bound = (3 * 2.0**-16 + 3 * r * 2.0**-24) * scale
+    assert np.all(np.abs(got - exact) <= bound)
+    one_bf16 = np.asarray(
+        jnp.dot(
+            gram.astype(jnp.bfloat16), b.astype(jnp.bfloat16), preferred_element_type=jnp.float32
+        ),
+        np.float64,
+    )
+    assert np.max(np.abs(one_bf16 - exact) / scale) > 8 * np.max(np.abs(got - exact) / scale)
+
+
+def test_bf16x3_needs_an_f32_assembly(x64):
+    from dora_jax.xla_ops import gram_times_b
+
+    gram, b = _gram_and_b(4, 8, jnp.float32)
+    with pytest.raises(ValueError, match="bf16x3 needs an f32 assembly; got float64"):
+        gram_times_b(gram.astype(jnp.float64), b, bf16x3=True)
+
+
+BF16X3_NORM_CASES = [
+    (jnp.bfloat16, jnp.float32, 3),
+    (jnp.bfloat16, jnp.bfloat16, 2),
+    (F16, jnp.float32, 3),
+    (jnp.float32, jnp.float32, 0),
+]
+BF16X3_NORM_IDS = ["bf16-f32b", "bf16-bf16b", "f16-f32b", "f32"]
+
+
+def check_bf16x3_norm(kernel_dtype, b_dtype, blocks, *, d_in=96, d_out=40, r=8, s=1.7):
+    """Traced for a GPU, the norm of a 16-bit kernel forms G·b as one bf16 GEMM over
+    ``blocks`` stacked copies of the rank and stays within the bf16x3 bound of the rule's
+    float64 norm; an f32 kernel (``blocks`` 0) keeps the f32 product (its value is not
+    checked here: on the GPU its U = aᵀK runs at XLA's default f32 precision, TF32)."""
+    rng = np.random.default_rng(7)
+    kernel = jnp.asarray(rng.standard_normal((d_in, d_out)) / np.sqrt(d_in), kernel_dtype)
+    lora_a = jnp.asarray(rng.standard_normal((d_in, r)) / np.sqrt(d_in), jnp.float32)
+    lora_b = jnp.asarray(rng.standard_normal((r, d_out)) / (s * np.sqrt(r)), b_dtype)
+    fn = jax.jit(lambda k, a, b: factored_norm(k, a, b, s, impl="xla"))
+    text = fn.lower(kernel, lora_a, lora_b).as_text()
+    gb_dot = f"tensor<{r}x{blocks * r}xbf16>, tensor<{blocks * r}x{d_out}xbf16>"
+    assert (gb_dot in text) == (blocks > 0), text
+    if not blocks:
+        assert f"tensor<{r}x{r}xf32>, tensor<{r}x{d_out}xf32>" in text, text
+        return
+    n = np.asarray(fn(kernel, lora_a, lora_b), np.float64)
+    ref = _rule_reference(kernel, lora_a, lora_b, s)
+    # n² moves by at most s²·3·2⁻¹⁶·|b|ᵀ|G||b| (+ f32 rounding), so n by half that over n²
+    a = np.asarray(lora_a.astype(kernel_dtype).astype(jnp.float32), np.float64)
+    b64 = np.asarray(lora_b.astype(jnp.float32), np.float64)
+    gram_term = np.sum(np.abs(b64) * (np.abs(a.T @ a) @ np.abs(b64)), axis=0)
+    rtol = (s * s * 3 * 2.0**-16 * gram_term) / (2 * ref * ref) + 1e-6
+    assert np.all(np.abs(n - ref) <= rtol * ref)
+
+
+@pytest.mark.parametrize(
+    ("kernel_dtype", "b_dtype", "blocks"), BF16X3_NORM_CASES, ids=BF16X3_NORM_IDS
+)
+def test_norm_takes_bf16x3_on_gpus_for_16_bit_kernels(monkeypatch, kernel_dtype, b_dtype, blocks):
+    """``check_bf16x3_norm`` on the CPU with the platform patched to "gpu" (XLA's CPU backend
+    runs the same ops; ``test_gpu.py`` runs it compiled for the GPU). Off the GPU nothing
+    changes (the test above)."""
+    from dora_jax import config
+
+    monkeypatch.setattr(config, "current_platform", lambda: "gpu")
+    check_bf16x3_norm(kernel_dtype, b_dtype, blocks)

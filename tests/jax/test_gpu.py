@@ -14,6 +14,7 @@ import pytest
 from shared_spec.cases import CASES, Case
 
 from .spec_check import check_case
+from .test_dtypes import BF16X3_NORM_CASES, BF16X3_NORM_IDS, check_bf16x3_norm
 
 pytestmark = [
     pytest.mark.gpu,
@@ -38,6 +39,16 @@ def test_xla_against_spec(case, dtype):
 @pytest.mark.parametrize("case", GPU_CASES[:2], ids=[c.name for c in GPU_CASES[:2]])
 def test_xla_exact_norm_grad(case):
     check_case(case, jnp.float32, impl="xla", exact_norm_grad=True)
+
+
+@pytest.mark.parametrize("r", [8, 384])
+@pytest.mark.parametrize(
+    ("kernel_dtype", "b_dtype", "blocks"), BF16X3_NORM_CASES, ids=BF16X3_NORM_IDS
+)
+def test_norm_gram_term_as_bf16x3(kernel_dtype, b_dtype, blocks, r):
+    """Compiled for the GPU, the bf16x3 G·b keeps its lo parts (XLA's excess-precision
+    rewrites must not fold the split away): within the bf16x3 bound of float64."""
+    check_bf16x3_norm(kernel_dtype, b_dtype, blocks, d_in=512, d_out=640, r=r)
 
 
 # ---------------------------------------------------------------------- Mosaic GPU (Hopper)
