@@ -199,8 +199,9 @@ def _adapt(model, name: str, rank: int):
 
 
 @contextlib.contextmanager
-def _norm_gemm_bf16x3(on: bool):
-    """``config.NORM_GEMM_BF16X3`` set to ``on`` while a provider's programs are traced."""
+def norm_gemm_bf16x3(on: bool):
+    """``config.NORM_GEMM_BF16X3`` set to ``on`` while a provider's programs are traced
+    (restored after; ``bench_jax_parts`` uses it too)."""
     from dora_jax import config
 
     before = config.NORM_GEMM_BF16X3
@@ -356,7 +357,7 @@ def run(out_dir: pathlib.Path) -> list[dict]:
             try:
                 model = nnx.merge(gdef, state)  # a fresh module tree over the same base arrays
                 _adapt(model, name, rank)
-                with _norm_gemm_bf16x3(name != "ours_bf16_f32_gram"):
+                with norm_gemm_bf16x3(name != "ours_bf16_f32_gram"):
                     row.update(_measure(model, ids))
                 by_name[name] = row
             except Exception as e:  # one failing provider must not end the others

@@ -11,7 +11,7 @@ from dora_jax import config
 def test_norm_gemm_switch_is_restored_after_an_error():
     assert config.NORM_GEMM_BF16X3 is True
     with pytest.raises(RuntimeError, match="provider failed"):
-        with bm._norm_gemm_bf16x3(False):
+        with bm.norm_gemm_bf16x3(False):
             assert config.NORM_GEMM_BF16X3 is False
             raise RuntimeError("provider failed")
     assert config.NORM_GEMM_BF16X3 is True
