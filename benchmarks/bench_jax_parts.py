@@ -60,24 +60,16 @@ def gram_split(lora_a, slices: int):
 
 
 def _piece(name: str, slices: int):
-    """f(kernel, a, b, base_sq) -> an array, for piece ``name``."""
-    import jax.numpy as jnp
-    from jax import lax
-
-    from dora_jax.norm import norm_parts
-
-    contract_0 = (((0,), (0,)), ((), ()))
+    """f(kernel, a, b, base_sq) -> an array, for piece ``name``. U and G are the library's own
+    products (``norm.norm_gemms``; XLA drops the one a piece does not return)."""
+    from dora_jax.norm import norm_gemms, norm_parts
 
     def norm(k, a, b, sq):
         return norm_parts(k, a, b, sq, scaling=SCALING, chunk_size=None)[0]
 
     return {
-        "u": lambda k, a, b, sq: lax.dot_general(
-            a, k, contract_0, preferred_element_type=jnp.float32
-        ),
-        "gram": lambda k, a, b, sq: lax.dot_general(
-            a, a, contract_0, preferred_element_type=jnp.float32
-        ),
+        "u": lambda k, a, b, sq: norm_gemms(k, a)[0],
+        "gram": lambda k, a, b, sq: norm_gemms(k, a)[1],
         "gram_split": lambda k, a, b, sq: gram_split(a, slices),
         "norm_f32_gram": norm,
         "norm": norm,

@@ -365,3 +365,15 @@ def test_norm_takes_bf16x3_on_gpus_for_16_bit_kernels(monkeypatch, kernel_dtype,
 
     monkeypatch.setattr(config, "current_platform", lambda: "gpu")
     check_bf16x3_norm(kernel_dtype, b_dtype, blocks)
+
+
+@pytest.mark.parametrize("exact_norm_grad", [False, True], ids=["detached", "exact"])
+@pytest.mark.parametrize("name", ["odd_shapes", "rank_one", "no_tokens", "one_token", "rslora"])
+def test_bf16x3_norm_matches_spec_forward_and_backward(monkeypatch, name, exact_norm_grad):
+    """The layer with its norm's G·b as bf16x3 (platform patched to "gpu") against shared_spec:
+    forward and every gradient, the exact norm gradient's w = s·U + s²·G·b included, on odd
+    shapes, r = 1 and T = 0 / 1, within the bf16 tolerance the XLA path is held to."""
+    from dora_jax import config
+
+    monkeypatch.setattr(config, "current_platform", lambda: "gpu")
+    check_case(CASES[name], jnp.bfloat16, impl="xla", exact_norm_grad=exact_norm_grad)
