@@ -174,7 +174,7 @@ def build_base(n_layers: int, *, tiny: bool | None = None):
     return llama.LlamaForCausalLM(cfg, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
 
 
-def _adapt(model, name: str, rank: int):
+def adapt(model, name: str, rank: int):
     """Put provider ``name``'s adapters into ``model`` (in place)."""
     import jax.numpy as jnp
     from flax import nnx
@@ -223,13 +223,13 @@ def _freeze_norms(model) -> bool:
     return bool(layers)
 
 
-def _train_step(value_and_grad, adapters, rest, ids) -> dict:
-    """Time and temp memory of a jitted training step: value-and-grad, then AdamW's update
-    (adapters and optimizer state donated, as a training loop would)."""
+def train_step(value_and_grad, adapters):
+    """(train, state): the jitted training step, value-and-grad then optax AdamW's update
+    (adapters and optimizer state donated, as a training loop would), and a fresh
+    [adapters, optimizer state] to call it with (copies: the caller keeps ``adapters``).
+    ``train(*state, rest, ids)`` returns (adapters, optimizer state, loss)."""
     import jax
     import optax
-
-    from .measure import jax_temp_bytes, jax_time_ms
 
     tx = optax.adamw(1e-5)
 
@@ -239,9 +239,16 @@ def _train_step(value_and_grad, adapters, rest, ids) -> dict:
         updates, opt_state = tx.update(grads, opt_state, adapters)
         return optax.apply_updates(adapters, updates), opt_state, loss
 
-    # copies: the step donates its adapters and state, and the caller still uses adapters
     state = [jax.tree.map(lambda t: t.copy(), adapters)]
     state.append(tx.init(state[0]))
+    return train, state
+
+
+def _train_step(value_and_grad, adapters, rest, ids) -> dict:
+    """Time and temp memory of the jitted training step (``train_step``)."""
+    from .measure import jax_temp_bytes, jax_time_ms
+
+    train, state = train_step(value_and_grad, adapters)
     temp = jax_temp_bytes(train, state[0], state[1], rest, ids)
 
     def call():
@@ -251,38 +258,46 @@ def _train_step(value_and_grad, adapters, rest, ids) -> dict:
     return {"train_ms": jax_time_ms(call), "train_temp_gib": (temp or 0) / GIB}
 
 
-def _measure(model, ids) -> dict:
+def step_functions(model):
+    """(forward, value_and_grad, adapters, rest) of ``model`` split into its LoRAParams and
+    the rest: ``forward`` is jitted; ``value_and_grad(adapters, rest, ids)`` (not jitted, so
+    a training step can trace it inside its own jit) is the mean next-token loss and its
+    gradient w.r.t. the adapters."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
 
+    gdef, adapters, rest = nnx.split(model, nnx.LoRAParam, ...)
+
+    @jax.jit
+    def forward(adapters, rest, ids):
+        return nnx.merge(gdef, adapters, rest)(ids)
+
+    def value_and_grad(adapters, rest, ids):
+        def loss(adapters):
+            logits = nnx.merge(gdef, adapters, rest)(ids)[:, :-1].astype(jnp.float32)
+            logp = jax.nn.log_softmax(logits, axis=-1)
+            return -jnp.mean(jnp.take_along_axis(logp, ids[:, 1:, None], axis=-1))
+
+        return jax.value_and_grad(loss)(adapters)
+
+    return forward, value_and_grad, adapters, rest
+
+
+def _measure(model, ids) -> dict:
+    import jax
+
     from .measure import jax_temp_bytes, jax_time_ms
 
-    def jitted(model):
-        gdef, adapters, rest = nnx.split(model, nnx.LoRAParam, ...)
-
-        @jax.jit
-        def forward(adapters, rest, ids):
-            return nnx.merge(gdef, adapters, rest)(ids)
-
-        def value_and_grad(adapters, rest, ids):
-            def loss(adapters):
-                logits = nnx.merge(gdef, adapters, rest)(ids)[:, :-1].astype(jnp.float32)
-                logp = jax.nn.log_softmax(logits, axis=-1)
-                return -jnp.mean(jnp.take_along_axis(logp, ids[:, 1:, None], axis=-1))
-
-            return jax.value_and_grad(loss)(adapters)
-
-        return forward, jax.jit(value_and_grad), value_and_grad, adapters, rest
-
     res = {}
-    forward, grad, value_and_grad, adapters, rest = jitted(model)
+    forward, value_and_grad, adapters, rest = step_functions(model)
+    grad = jax.jit(value_and_grad)
     res["grad_temp_gib"] = (jax_temp_bytes(grad, adapters, rest, ids) or 0) / GIB
     res["grad_ms"] = jax_time_ms(lambda: grad(adapters, rest, ids))
     res.update(_train_step(value_and_grad, adapters, rest, ids))
     if _freeze_norms(model):  # ours: the cold forward first, then the frozen-norm one
         res["inference_cold_ms"] = jax_time_ms(lambda: forward(adapters, rest, ids))
-        forward, _, _, adapters, rest = jitted(model)
+        forward, _, adapters, rest = step_functions(model)
     res["inference_temp_gib"] = (jax_temp_bytes(forward, adapters, rest, ids) or 0) / GIB
     res["inference_ms"] = jax_time_ms(lambda: forward(adapters, rest, ids))
     return res
@@ -356,7 +371,7 @@ def run(out_dir: pathlib.Path) -> list[dict]:
             row = dict(provider=name, label=label, layers=n_layers, rank=rank, error="")
             try:
                 model = nnx.merge(gdef, state)  # a fresh module tree over the same base arrays
-                _adapt(model, name, rank)
+                adapt(model, name, rank)
                 with norm_gemm_bf16x3(name != "ours_bf16_f32_gram"):
                     row.update(_measure(model, ids))
                 by_name[name] = row
