@@ -9,13 +9,20 @@ for bf16/f16/f32 activations, f64 for f64 ones with ``jax_enable_x64``); "f32" b
     y = g ⊙ (base + s·h·b) + bias  (g applied in acc; Mosaic rounds once, XLA rounds inner
                                     first)
 
-Backward (docs/design.md §4) with dy_g = g ⊙ dy, P = hᵀ·dy [r, N] and ``saved`` the [T, N]
-activation
-the forward kept (``inner`` = base + s·h·b from the XLA compose, or ``base`` from the Mosaic
-one, whose fused epilogue never materialises inner):
+Backward (docs/design.md §4) with dy_g = g ⊙ dy and ``saved`` the [T, N] activation the forward
+kept (``inner`` = base + s·h·b from the XLA compose, or ``base`` from the Mosaic one, whose
+fused epilogue never materialises inner):
 
-    dm = (Σ_t dy ⊙ inner) / n,  Σ_t dy ⊙ inner = Σ_t dy ⊙ base + s·Σ_k b ⊙ P
-    db = s·P ⊙ g,   q = s·dy_g·bᵀ [T, r],   da = xᵀ·q,   dx = dy_g·Kᵀ + q·aᵀ,   dK = xᵀ·dy_g
+    dm = (Σ_t dy ⊙ inner) / n
+    db = s·hᵀ·dy_g,   q = s·dy_g·bᵀ [T, r],   da = xᵀ·q,   dx = dy_g·Kᵀ + q·aᵀ,   dK = xᵀ·dy_g
+
+db is formed as the spec and dora_torch form it, so every GEMM of the backward reads dy_g and
+dy's one reader is the elementwise scale-and-reduce pass; no [r, N] pass scales P by g
+(benchmarks/NOTES.md, session 23: −0.3 ms per 8-layer r = 16 step). Two exceptions take
+db = s·P ⊙ g with
+P = hᵀ·dy [r, N] instead: f16 activations, whose dy_g saturates (below) long before f32
+would overflow, so a zero column's db (g ≈ m/eps) would be lost; and ``base`` saved, where
+Σ_t dy ⊙ inner = Σ_t dy ⊙ base + s·Σ_k b ⊙ P needs P anyway.
 
 dy_g is saturated at ±finfo(cd).max when rounded to cd (g ≈ m/eps on a zero column overflows
 f16, and inf · 0 in the GEMMs would be NaN), as dora_torch does.
@@ -198,9 +205,13 @@ def _bwd(opts: Options, packed, dy):
         dy_k = dy_g
     need_dx_in = pxd if dropout else px
 
-    need_p = pb or exact or (pm and not saved_is_inner)
-    p = lax.dot_general(h, dy, _CONTRACT_0, preferred_element_type=acc) if need_p else None
-    # Σ_t dy ⊙ inner; with base saved, the LoRA part comes from P = hᵀ·dy (already needed for db)
+    # Σ_t dy ⊙ inner; with base saved, the LoRA part comes from P = hᵀ·dy, which db then reuses.
+    # db from dy_g only where dy_g's saturation cannot bind before acc's range (not f16).
+    narrow = jnp.finfo(cd).maxexp < jnp.finfo(acc).maxexp
+    p = None
+    need_db = pb or exact
+    if (need_db and narrow) or (not saved_is_inner and (need_db or pm)):
+        p = lax.dot_general(h, dy, _CONTRACT_0, preferred_element_type=acc)
     inner_dot = None
     if pm or exact:
         inner_dot = col if saved_is_inner else col + s * jnp.sum(b_c.astype(acc) * p, axis=0)
@@ -211,7 +222,10 @@ def _bwd(opts: Options, packed, dy):
     if pbias:
         dbias = jnp.sum(dy.astype(acc), axis=0).astype(bias.dtype)
     if pb or exact:
-        db = s * p * g[None, :]
+        if p is None:
+            db = s * lax.dot_general(h, dy_g, _CONTRACT_0, preferred_element_type=acc)
+        else:
+            db = s * p * g[None, :]
     if pa or need_dx_in:
         q = (s * lax.dot_general(dy_g, b_c, _CONTRACT_1, preferred_element_type=acc)).astype(cd)
         if pa:

@@ -100,3 +100,22 @@ def test_frozen_norm_runs_only_lora_gemms():
     dots, text = _dots(x_grad, X, DY, A, B, M, K, NORM)
     assert len(dots) == 6  # + dy_g·bᵀ, dy_g·Kᵀ, q·aᵀ
     _check(dots, text)
+
+
+def _main_uses_of_dy(dtype):
+    """The ops of the grad program's main function that read the cotangent dy (%arg1)."""
+    x, dy, k = S((T, D_IN), dtype), S((T, D_OUT), dtype), S((D_IN, D_OUT), dtype)
+    text = jax.jit(_grad(_ours(), 4)).lower(x, dy, A, B, M, k).as_text()
+    main = text[text.index("func.func public @main") :]
+    main = main[: main.index("\n  }")]
+    body = main.splitlines()[1:]
+    return [re.search(r"= (\S+)", line).group(1) for line in body if "%arg1" in line]
+
+
+def test_the_backward_gemms_read_g_dy_not_dy():
+    """bf16: dy's only readers are the elementwise scale-and-reduce (converts); every GEMM
+    takes dy_g (db = s·hᵀ·dy_g, as the spec). f16 keeps P = hᵀ·dy for db (dy_g saturates in
+    f16), so there a GEMM reads dy."""
+    uses = _main_uses_of_dy(BF16)
+    assert uses and all(op == "stablehlo.convert" for op in uses), uses
+    assert "stablehlo.dot_general" in _main_uses_of_dy(jnp.float16)
