@@ -30,7 +30,7 @@ import re
 import tempfile
 from collections import defaultdict
 
-from benchmarks.measure import write_csv
+from benchmarks.measure import jax_time_ms, write_csv
 
 NO_COMMAND_BUFFERS = "--xla_gpu_enable_command_buffer="
 # `%name = shape opcode(...)`, with `kind=kX` on fusions and the target on custom calls
@@ -105,14 +105,12 @@ def provider_rows(
     """Profile one provider's training step; rows per HLO op (µs and kernels per step)."""
     import jax
     import jax.numpy as jnp
-    from flax import nnx
 
     from benchmarks import bench_model_jax as bm
 
-    base = bm.build_base(layers, tiny=tiny)
+    model = bm.build_base(layers, tiny=tiny)
     vocab, seq = bm.vocab_and_seq(tiny)
     ids = jax.random.randint(jax.random.key(0), (bm.BATCH, seq), 0, vocab, dtype=jnp.int32)
-    model = nnx.merge(*nnx.split(base))
     bm.adapt(model, name, rank)
     with bm.norm_gemm_bf16x3(name != "ours_bf16_f32_gram"):
         _, value_and_grad, adapters, rest = bm.step_functions(model)
@@ -127,8 +125,6 @@ def provider_rows(
     def call():
         state[0], state[1], loss = compiled(state[0], state[1], rest, ids)
         return loss
-
-    from benchmarks.measure import jax_time_ms
 
     step_ms = jax_time_ms(call)
     on_cpu = jax.default_backend() == "cpu"

@@ -19,10 +19,9 @@ fused epilogue never materialises inner):
 db is formed as the spec and dora_torch form it, so every GEMM of the backward reads dy_g and
 dy's one reader is the elementwise scale-and-reduce pass; no [r, N] pass scales P by g
 (benchmarks/NOTES.md, session 23: −0.3 ms per 8-layer r = 16 step). Two exceptions take
-db = s·P ⊙ g with
-P = hᵀ·dy [r, N] instead: f16 activations, whose dy_g saturates (below) long before f32
-would overflow, so a zero column's db (g ≈ m/eps) would be lost; and ``base`` saved, where
-Σ_t dy ⊙ inner = Σ_t dy ⊙ base + s·Σ_k b ⊙ P needs P anyway.
+db = s·P ⊙ g with P = hᵀ·dy [r, N] instead: f16 activations, whose dy_g saturates (below)
+long before f32 would overflow, so a zero column's db (g ≈ m/eps) would be lost; and
+``base`` saved, where Σ_t dy ⊙ inner = Σ_t dy ⊙ base + s·Σ_k b ⊙ P needs P anyway.
 
 dy_g is saturated at ±finfo(cd).max when rounded to cd (g ≈ m/eps on a zero column overflows
 f16, and inf · 0 in the GEMMs would be NaN), as dora_torch does.
