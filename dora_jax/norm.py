@@ -47,13 +47,18 @@ def norm_gemms(kernel, lora_a, *, chunk_size=None):
 
     With ``chunk_size`` both are accumulated over slices of d_in, bounding the transient of
     each GEMM's operands.
+
+    G reads a through an optimization barrier: U and G would otherwise share the operand aᵀ,
+    and XLA's GPU dot merger would run them as one GEMM aᵀ·[K | a] over a copy of the
+    kernel made on every call (benchmarks/NOTES.md, session 24; ``vjp._base_product``).
     """
     acc = acc_dtype(kernel.dtype)
     a = lora_a.astype(kernel.dtype)
     u = gram = None
     for sl in chunk_slices(kernel.shape[0], check_chunk_size(chunk_size)):
         du = lax.dot_general(a[sl], kernel[sl], _CONTRACT_0, preferred_element_type=acc)
-        dg = lax.dot_general(a[sl], a[sl], _CONTRACT_0, preferred_element_type=acc)
+        a_g = lax.optimization_barrier(a[sl])
+        dg = lax.dot_general(a_g, a_g, _CONTRACT_0, preferred_element_type=acc)
         u, gram = (du, dg) if u is None else (u + du, gram + dg)
     return u, gram
 

@@ -102,6 +102,22 @@ def _norm_parts(opts: Options, kernel, lora_a, lora_b, base_sq):
     )
 
 
+def _base_product(x, kernel):
+    """x·K with both operands behind one optimization barrier.
+
+    XLA's GPU dot merger rewrites products that share an operand (x·K beside x·a, and the
+    q/k/v projections' x·K) as one GEMM over the concatenated right-hand sides, and that
+    concatenation copies the frozen kernel on every call: 130 µs per decoder layer at r = 384
+    for ~10 µs of GEMM efficiency (benchmarks/NOTES.md, session 24). Behind the barrier x·K's
+    left operand is a value of its own, so the kernel is never copied. The barrier holds the
+    pair (x, K), not x alone: identical barriers of x alone are merged by CSE, and the q/k/v
+    products would share an operand again. x and K are GEMM inputs either way, so nothing is
+    materialised that was not already.
+    """
+    x, kernel = lax.optimization_barrier((x, kernel))
+    return jnp.dot(x, kernel)
+
+
 def _forward(opts: Options, x, x_d, kernel, lora_a, lora_b, magnitude, bias, base_sq, norm):
     """Returns (y, residuals). x [T, d_in], x_d (like x, or None: no dropout) and kernel
     [d_in, N] share the activation dtype."""
@@ -116,7 +132,7 @@ def _forward(opts: Options, x, x_d, kernel, lora_a, lora_b, magnitude, bias, bas
     g = magnitude_scale(magnitude, n, acc)
     a_c, b_c = lora_a.astype(cd), lora_b.astype(cd)
     h = jnp.dot(x if x_d is None else x_d, a_c, preferred_element_type=cd)  # f32 acc, one round
-    base = jnp.dot(x, kernel)
+    base = _base_product(x, kernel)
     if opts.compose_impl == "mosaic" and x_d is None:
         y = mosaic.compose(base, h, b_c, g, bias, scaling=s, interpret=opts.interpret)
         saved, saved_is_inner = base, False
@@ -124,7 +140,7 @@ def _forward(opts: Options, x, x_d, kernel, lora_a, lora_b, magnitude, bias, bas
         dropout = (
             None
             if x_d is None
-            else (jnp.dot(x_d, kernel), magnitude_scale_minus_one(magnitude, n, acc))
+            else (_base_product(x_d, kernel), magnitude_scale_minus_one(magnitude, n, acc))
         )
         y, saved = xla_ops.compose(
             base, h, b_c, g, bias, scaling=s, precision=dot_precision(cd), dropout=dropout

@@ -6,6 +6,7 @@ the spec. Run on the GPU machine: ``python -m pytest -q -m gpu tests/jax``.
 from __future__ import annotations
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -112,3 +113,50 @@ def test_scalora_merge_rewrites_the_kernel_in_place():
     temp = compiled.memory_analysis().temp_size_in_bytes
     block = config.SCALORA_MERGE_ROWS * d_out * 4
     assert temp < block + d_in * d_out * 2 // 2, (temp, block)
+
+
+def _kernel_concatenations(fn, x, kernels, adapters):
+    """Concatenations in the GPU program of fn's training step (value and adapter gradient
+    of a loss that needs every x·K) whose result has a kernel's d_in rows and at least its
+    d_out columns: frozen kernels copied every call (XLA's dot merger)."""
+
+    def loss(adapters, x, kernels):
+        ys = [fn(x, k, a, b).astype(jnp.float32) for k, (a, b) in zip(kernels, adapters)]
+        return sum(jnp.sum(y * y) for y in ys)
+
+    step = jax.jit(jax.value_and_grad(loss))
+    text = step.lower(adapters, x, kernels).compile().as_text()
+    d_in, d_out = kernels[0].shape[0], min(k.shape[1] for k in kernels)
+    shape = re.compile(rf"= bf16\[{d_in},(\d+)\]\S* concatenate\(")
+    return [int(m.group(1)) for m in shape.finditer(text) if int(m.group(1)) >= d_out]
+
+
+@pytest.mark.parametrize(
+    ("d_outs", "r"), [((4096,), 384), ((4096, 1024, 1024), 16)], ids=["o_proj", "q_k_v"]
+)
+def test_the_base_product_never_concatenates_the_kernel(d_outs, r):
+    """XLA's GPU dot merger joins products that share an operand (x·K and x·a; the q/k/v
+    projections' x·K) into one GEMM over a concatenated copy of the kernels, every call
+    (benchmarks/NOTES.md, session 24). jnp LoRA on the same Llama-8B shapes shows the merger
+    is active on this XLA; DoRA's base product (behind ``vjp._base_product``'s barrier) must
+    never be concatenated."""
+    from dora_jax.baselines import lora_dense
+    from dora_jax.functional import dora_dense
+
+    t, d_in, bf = 2048, 4096, jnp.bfloat16
+    keys = iter(jax.random.split(jax.random.key(0), 1 + 3 * len(d_outs)))
+    x = jax.random.normal(next(keys), (t, d_in), bf)
+    kernels, adapters = [], []
+    for d_out in d_outs:
+        kernels.append(jax.random.normal(next(keys), (d_in, d_out), bf) * 0.02)
+        a = jax.random.normal(next(keys), (d_in, r), bf) * 0.02
+        adapters.append((a, jax.random.normal(next(keys), (r, d_out), bf) * 0.02))
+
+    def ours(x, k, a, b):
+        return dora_dense(x, k, a, b, jnp.ones((k.shape[1],), jnp.float32), 2.0, impl="xla")
+
+    def lora(x, k, a, b):
+        return lora_dense(x, k, a, b, 2.0)
+
+    assert _kernel_concatenations(lora, x, kernels, adapters), "no dot merger on this XLA"
+    assert _kernel_concatenations(ours, x, kernels, adapters) == []
