@@ -174,8 +174,10 @@ def build_base(n_layers: int, *, tiny: bool | None = None):
     return llama.LlamaForCausalLM(cfg, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
 
 
-def adapt(model, name: str, rank: int):
-    """Put provider ``name``'s adapters into ``model`` (in place)."""
+def adapt(model, name: str, rank: int, *, package=None):
+    """Put provider ``name``'s adapters into ``model`` (in place). ``package``: the dora_jax
+    module ours come from (default ``dora_jax``; ``benchmarks.ab_jax`` passes an earlier
+    revision's copy)."""
     import jax.numpy as jnp
     from flax import nnx
 
@@ -186,15 +188,15 @@ def adapt(model, name: str, rank: int):
             model, _baseline_layer(kind), rank=rank, alpha=2 * rank, dtype=jnp.bfloat16, rngs=rngs
         )
         return
-    import dora_jax
-    from dora_jax import DoraDense
+    if package is None:
+        import dora_jax as package
 
     dtype = jnp.float32 if name == "ours_f32" else jnp.bfloat16
     impl = "mosaic" if name == "ours_mosaic" else "auto"
-    dora_jax.inject(model, target_modules=list(TARGET_NAMES), r=rank, lora_alpha=2 * rank,
-                    rngs=rngs, adapter_dtype=dtype, impl=impl)  # fmt: skip
+    package.inject(model, target_modules=list(TARGET_NAMES), r=rank, lora_alpha=2 * rank,
+                   rngs=rngs, adapter_dtype=dtype, impl=impl)  # fmt: skip
     for _, node in nnx.iter_graph(model):
-        if isinstance(node, DoraDense):
+        if isinstance(node, package.DoraDense):
             node.cache_base_sq()
 
 
