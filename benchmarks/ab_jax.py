@@ -8,8 +8,8 @@ GPUs, so a change is judged against the code before it in the same process
 (benchmarks/NOTES.md, sessions 16-19 and 23-24). The copy is ``revision_copy``'s: a package
 ``dora_jax_rev`` sharing no module with the tree's ``dora_jax``. The model is built once
 (``bench_model_jax.build_base``; its frozen weights are shared) and adapted by each package;
-a layer takes ``bench_jax_layer``'s inputs and ``functional.dora_dense`` (``impl="xla"``,
-``base_sq`` given, as the layer bench's ``ours_xla``). Each round calls every variant
+a layer takes ``bench_jax_layer``'s inputs and ``functional.dora_dense`` (``--impl``, by
+default "xla"; ``base_sq`` given, as the layer bench's ``ours_xla``). Each round calls every variant
 ``--calls`` times in turn (the round's median per variant), and the paired per-round
 difference tree − rev is reported with the medians.
 
@@ -18,7 +18,10 @@ difference tree − rev is reported with the medians.
     python3 -m benchmarks.ab_jax --rev .rev_jax --layer 8192x28672_r384_t2048 --kind fwd --profile
 
 (carry ``.rev_jax`` to the device). Op names differ between two compiled programs, so the
-profile compares sums over (opcode, kind, shape) rather than ops.
+profile compares sums over (opcode, kind, shape) rather than ops. ``--profile`` switches XLA's
+command buffers off for the whole process (``profile_jax.disable_command_buffers``: with them
+on, a program's kernels are traced under one command-buffer op that no HLO instruction names),
+so its timed rounds run without command buffers too; compare them with runs of their own kind.
 """
 
 from __future__ import annotations
@@ -28,12 +31,15 @@ import importlib
 import pathlib
 import re
 import statistics
+import sys
 import time
 from collections import defaultdict
 
+from benchmarks import profile_jax as pj
 from benchmarks.measure import write_csv
 
 TAGS = ("tree", "rev")
+UNKNOWN_OP = dict(opcode="?", kind="", shape="")  # a traced op the program's HLO does not name
 _LAYER = re.compile(r"(\d+)x(\d+)_r(\d+)_t(\d+)")
 
 
@@ -75,8 +81,10 @@ def model_programs(packages: dict, *, rank: int, layers: int, tiny: bool) -> dic
     return out
 
 
-def layer_programs(packages: dict, *, layer: str, kind: str) -> dict:
-    """tag -> (compiled program, call): one layer's forward or (y, VJP) from each package."""
+def layer_programs(packages: dict, *, layer: str, kind: str, impl: str = "xla") -> dict:
+    """tag -> (compiled program, call): one layer's forward or (y, VJP) from each package,
+    with ``impl`` ("xla" by default, as the layer bench's ``ours_xla``; "auto" lets each
+    package's own ``AUTO_MOSAIC`` table decide)."""
     import jax
 
     from benchmarks import bench_jax_layer as bl
@@ -93,7 +101,7 @@ def layer_programs(packages: dict, *, layer: str, kind: str) -> dict:
 
         def f(x, a, b, m, functional=functional, base_sq=base_sq):
             return functional.dora_dense(
-                x, kernel, a, b, m, bl.SCALING, bias, impl="xla", base_sq=base_sq
+                x, kernel, a, b, m, bl.SCALING, bias, impl=impl, base_sq=base_sq
             )
 
         if kind == "fwd":
@@ -128,8 +136,6 @@ def profile_by_shape(compiled, call, *, steps: int) -> dict[tuple[str, str, str]
     """(opcode, kind, shape) -> device µs per call of ``compiled`` (``profile_jax``'s trace)."""
     import jax
 
-    from benchmarks import profile_jax as pj
-
     hlo = compiled.as_text()
     module = re.search(r"HloModule\s+([\w.\-]+)", hlo)
     on_cpu = jax.default_backend() == "cpu"
@@ -142,9 +148,16 @@ def profile_by_shape(compiled, call, *, steps: int) -> dict[tuple[str, str, str]
     ops = pj.hlo_op_table(hlo)
     out = defaultdict(float)
     for op, (_, ns) in times.items():
-        info = ops.get(op, dict(opcode="?", kind="", shape=""))
+        info = ops.get(op, UNKNOWN_OP)
         out[(info["opcode"], info["kind"], info["shape"])] += ns / steps / 1e3
     return dict(out)
+
+
+def unlabelled_share(by_shape: dict) -> float:
+    """Fraction of a profile's device time on ops its program's HLO does not name."""
+    total = sum(by_shape.values())
+    unknown = by_shape.get((UNKNOWN_OP["opcode"], UNKNOWN_OP["kind"], UNKNOWN_OP["shape"]), 0.0)
+    return unknown / total if total else 0.0
 
 
 def shape_differences(tree: dict, rev: dict) -> list[tuple[tuple[str, str, str], float, float]]:
@@ -173,6 +186,9 @@ def main(argv=None) -> dict:
     what.add_argument("--model", nargs=2, type=int, metavar=("RANK", "LAYERS"))
     what.add_argument("--layer", help="D_INxD_OUT_rR_tT, e.g. 8192x28672_r384_t2048")
     ap.add_argument("--kind", default="fwd", help="layer: fwd or grad")
+    ap.add_argument(
+        "--impl", default="xla", choices=("xla", "auto", "mosaic"), help="layer: dora_dense's impl"
+    )
     ap.add_argument("--tiny", action="store_true", help="model: the small config (CPU tests)")
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--calls", type=int, default=5, help="timed calls per variant per round")
@@ -195,7 +211,7 @@ def main(argv=None) -> dict:
         programs = model_programs(packages, rank=rank, layers=layers, tiny=args.tiny)
     else:
         label = f"{args.layer} {args.kind}"
-        programs = layer_programs(packages, layer=args.layer, kind=args.kind)
+        programs = layer_programs(packages, layer=args.layer, kind=args.kind, impl=args.impl)
     calls = {tag: call for tag, (_, call) in programs.items()}
     times = time_rounds(calls, rounds=args.rounds, per_round=args.calls)
     print(f"tree against rev {commit}")
@@ -218,6 +234,13 @@ def main(argv=None) -> dict:
         diffs = shape_differences(by_shape["tree"], by_shape["rev"])
         total = {tag: sum(v.values()) for tag, v in by_shape.items()}
         print(f"{label} device µs per call: tree {total['tree']:.1f}, rev {total['rev']:.1f}")
+        for tag, v in by_shape.items():
+            if unlabelled_share(v) > 0.5:
+                print(
+                    f"  warning: {unlabelled_share(v):.0%} of {tag}'s device time is on ops its "
+                    "HLO does not name (command buffers on? run ab_jax as a script, or set "
+                    f"XLA_FLAGS={pj.NO_COMMAND_BUFFERS} before JAX starts)"
+                )
         for (opcode, kind, shape), t, r in diffs[: args.top]:
             print(f"  {t - r:+9.1f} us  tree {t:8.1f}  rev {r:8.1f}  {opcode} {kind} {shape}")
         result["profile"] = by_shape
@@ -233,4 +256,6 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
+    if "--profile" in sys.argv[1:]:
+        pj.disable_command_buffers()
     main()

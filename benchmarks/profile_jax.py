@@ -218,8 +218,15 @@ def main(argv=None) -> list[dict]:
     return rows
 
 
-if __name__ == "__main__":
+def disable_command_buffers() -> None:
+    """Turn XLA's GPU command buffers off for this process, so the trace records every kernel
+    under its own HLO op instead of one command-buffer op per program. Effective only before
+    JAX starts its GPU backend."""
     if NO_COMMAND_BUFFERS not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {NO_COMMAND_BUFFERS}".strip()
+
+
+if __name__ == "__main__":
+    disable_command_buffers()
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     main()

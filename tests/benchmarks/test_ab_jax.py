@@ -91,6 +91,14 @@ def test_a_layer_ab_times_both_variants_and_profiles_them(rev_dir, tmp_path):
     for by_shape in out["profile"].values():  # the dots of the VJP are found in both programs
         assert any(opcode == "dot" for opcode, _, _ in by_shape) and min(by_shape.values()) >= 0
     assert (tmp_path / "ab_jax.csv").is_file() and (tmp_path / "ab_jax_profile.csv").is_file()
+    assert all(ab_jax.unlabelled_share(v) < 0.5 for v in out["profile"].values())
+
+
+def test_unlabelled_time_is_the_share_on_ops_the_hlo_does_not_name():
+    unknown = tuple(ab_jax.UNKNOWN_OP.values())
+    assert ab_jax.unlabelled_share({unknown: 3.0, ("dot", "", "f32[4]"): 1.0}) == 0.75
+    assert ab_jax.unlabelled_share({("dot", "", "f32[4]"): 1.0}) == 0.0
+    assert ab_jax.unlabelled_share({}) == 0.0
 
 
 @needs_git

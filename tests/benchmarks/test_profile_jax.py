@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 from jax.profiler import ProfileData
 
@@ -94,3 +96,11 @@ def test_the_tiny_run_profiles_every_provider(tmp_path):
 def test_unknown_providers_are_named():
     with pytest.raises(SystemExit):
         pj.main(["--tiny", "--providers", "nope"])
+
+
+def test_command_buffers_are_switched_off_once_and_other_flags_kept(monkeypatch):
+    monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/x")
+    pj.disable_command_buffers()
+    pj.disable_command_buffers()
+    flags = os.environ["XLA_FLAGS"].split()
+    assert flags == ["--xla_dump_to=/tmp/x", pj.NO_COMMAND_BUFFERS]
