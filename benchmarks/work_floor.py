@@ -139,6 +139,25 @@ JAX_LAYER_TARGETS = (
 )
 
 
+def jax_model_train_ms(csv_name: str, provider: str, rank: int) -> float:
+    """``train_ms`` of one row of a ``bench_model_jax`` CSV (8 layers, batch 1 × 2048)."""
+    with open(RESULTS / csv_name, newline="") as f:
+        for row in csv.DictReader(f):
+            if (row["provider"], row["rank"]) == (provider, str(rank)) and row["train_ms"]:
+                return float(row["train_ms"])
+    raise KeyError(f"no {provider} r={rank} row in {csv_name}")
+
+
+#: Issue 14's model training step (≤ 1.05× jnp LoRA, ≥ 1.2× faster than naive jnp DoRA):
+#: rank → the run measuring it.
+JAX_MODEL_TARGETS = ((16, "model_jax_run103.csv"), (384, "model_jax_run103.csv"))
+
+
+def naive_bound(naive_ms: float, lora_ms: float, floor: float) -> float:
+    """The largest naive / ours speed-up that ``floor`` (ours / LoRA at best) allows."""
+    return naive_ms / (floor * lora_ms)
+
+
 def main() -> None:
     print("JAX training layer, norm recomputed every call (issue 14; target ≤ 1.05× jnp LoRA):")
     print(f"  {'shape':<24} {'kind':<5} {'LoRA ms':>8} {'FLOPs':>6} "
@@ -174,6 +193,23 @@ def main() -> None:
             f"{pass_floor(lora, *model_layers(r, tokens=2048)):.3f}×, ours {ours / lora:.3f}× "
             f"({csv_name})"
         )
+    for r, csv_name in JAX_MODEL_TARGETS:
+        lora = jax_model_train_ms(csv_name, "jnp_lora", r)
+        ours = jax_model_train_ms(csv_name, "ours_bf16", r)
+        floor = pass_floor(lora, *model_layers(r, tokens=2048))
+        line = (
+            f"JAX model, training step, batch 1 × 2048, r = {r} (issue 14; targets ≤ 1.05×, "
+            f"naive ≥ 1.2× ours): jnp LoRA {lora:.2f} ms, floor with the norm and the passes "
+            f"{floor:.3f}×, ours {ours / lora:.3f}×"
+        )
+        try:
+            naive = jax_model_train_ms(csv_name, "jnp_dora_naive", r)
+        except KeyError:
+            naive = None
+        if naive is not None:
+            bound = naive_bound(naive, lora, floor)
+            line += f"; naive / ours {naive / ours:.3f}×, at most {bound:.3f}× at the floor"
+        print(line + f" ({csv_name})")
     for r in (16, 384):
         flops = model_norm_flops(r)
         print(

@@ -66,3 +66,18 @@ def test_the_cited_compiled_runs_hold_both_rows():
         )
     with pytest.raises(KeyError, match="no ours_bf16"):
         wf.model_train_ms("model_torch_run52.csv", "ours_bf16", 16)
+
+
+def test_the_cited_jax_model_run_holds_lora_and_ours_at_both_ranks():
+    for r, csv_name in wf.JAX_MODEL_TARGETS:
+        lora = wf.jax_model_train_ms(csv_name, "jnp_lora", r)
+        assert wf.jax_model_train_ms(csv_name, "ours_bf16", r) > lora
+        assert wf.pass_floor(lora, *wf.model_layers(r, tokens=2048)) > 1.0
+    assert wf.jax_model_train_ms("model_jax_run103.csv", "jnp_dora_naive", 16) > 0
+    with pytest.raises(KeyError, match="no jnp_lora r=7"):
+        wf.jax_model_train_ms("model_jax_run103.csv", "jnp_lora", 7)
+
+
+def test_naive_bound_is_the_speedup_at_the_floor():
+    # naive 12 ms, LoRA 10 ms, ours at best 1.2 × LoRA = 12 ms: naive can be at most 1.0×.
+    assert wf.naive_bound(12.0, 10.0, 1.2) == pytest.approx(1.0)
