@@ -6,8 +6,9 @@ shape).
 Steps of one code spread by several percent between processes (and machines) on the lent
 GPUs, so a change is judged against the code before it in the same process
 (benchmarks/NOTES.md, sessions 16-19 and 23-24). The copy is ``revision_copy``'s: a package
-``dora_jax_rev`` sharing no module with the tree's ``dora_jax``. The model is built once
-(``bench_model_jax.build_base``; its frozen weights are shared) and adapted by each package;
+``dora_jax_rev`` sharing no module with the tree's ``dora_jax``. The model's weights are drawn once
+(``bench_model_jax.build_base``) and shared by one model per package, each built from that
+package's own ``models.llama`` (so a change to the twin is timed too) and adapted by it;
 a layer takes ``bench_jax_layer``'s inputs and ``functional.dora_dense`` (``--impl``, by
 default "xla"; ``base_sq`` given, as the layer bench's ``ours_xla``). Each round calls every variant
 ``--calls`` times in turn (the round's median per variant), and the paired per-round
@@ -53,8 +54,11 @@ def parse_layer(name: str) -> tuple[int, int, int, int]:
     return tuple(int(v) for v in m.groups())
 
 
-def model_programs(packages: dict, *, rank: int, layers: int, tiny: bool) -> dict:
-    """tag -> (compiled training step, call): the bench model adapted by each package."""
+def model_programs(
+    packages: dict, *, rank: int, layers: int, tiny: bool, batch: int | None = None
+) -> dict:
+    """tag -> (compiled training step, call): the bench model adapted by each package, on
+    ``batch`` sequences per step (None: ``bench_model_jax.BATCH``)."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -63,11 +67,14 @@ def model_programs(packages: dict, *, rank: int, layers: int, tiny: bool) -> dic
 
     base = bm.build_base(layers, tiny=tiny)
     vocab, seq = bm.vocab_and_seq(tiny)
-    ids = jax.random.randint(jax.random.key(0), (bm.BATCH, seq), 0, vocab, dtype=jnp.int32)
-    gdef, state = nnx.split(base)
+    batch = bm.BATCH if batch is None else batch
+    ids = jax.random.randint(jax.random.key(0), (batch, seq), 0, vocab, dtype=jnp.int32)
+    state = nnx.state(base)
     out = {}
     for tag, package in packages.items():
-        model = nnx.merge(gdef, state)
+        # each package's own model code (its llama twin calls its own swiglu), the weights shared
+        model = nnx.eval_shape(lambda p=package: bm.build_base(layers, tiny=tiny, package=p))
+        nnx.update(model, state)
         bm.adapt(model, "ours_bf16", rank, package=package)
         _, value_and_grad, adapters, rest = bm.step_functions(model)
         train, st = bm.train_step(value_and_grad, adapters)
@@ -190,6 +197,7 @@ def main(argv=None) -> dict:
         "--impl", default="xla", choices=("xla", "auto", "mosaic"), help="layer: dora_dense's impl"
     )
     ap.add_argument("--tiny", action="store_true", help="model: the small config (CPU tests)")
+    ap.add_argument("--batch", type=int, default=None, help="model: sequences per step")
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--calls", type=int, default=5, help="timed calls per variant per round")
     ap.add_argument("--profile", action="store_true", help="also GPU µs per (opcode, kind, shape)")
@@ -207,8 +215,10 @@ def main(argv=None) -> dict:
     packages = dict(zip(TAGS, (dora_jax, rev)))
     if args.model is not None:
         rank, layers = args.model
-        label = f"model r={rank} {layers}L"
-        programs = model_programs(packages, rank=rank, layers=layers, tiny=args.tiny)
+        label = f"model r={rank} {layers}L" + (f" batch {args.batch}" if args.batch else "")
+        programs = model_programs(
+            packages, rank=rank, layers=layers, tiny=args.tiny, batch=args.batch
+        )
     else:
         label = f"{args.layer} {args.kind}"
         programs = layer_programs(packages, layer=args.layer, kind=args.kind, impl=args.impl)

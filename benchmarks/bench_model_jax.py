@@ -150,14 +150,17 @@ def vocab_and_seq(tiny: bool) -> tuple[int, int]:
     return (TINY_VOCAB, TINY_SEQ) if tiny else (VOCAB, SEQ)
 
 
-def build_base(n_layers: int, *, tiny: bool | None = None):
+def build_base(n_layers: int, *, tiny: bool | None = None, package=None):
     """The Llama-8B-shaped nnx twin with ``n_layers`` layers, bf16, fixed seed; ``tiny`` (default:
     ``DORA_BENCH_JAX_TINY``) swaps in a small config with the same structure (CPU smoke runs
-    of the JAX benches)."""
+    of the JAX benches). ``package``: the dora_jax module whose ``models.llama`` builds it
+    (default ``dora_jax``; ``benchmarks.ab_jax`` passes an earlier revision's copy)."""
+    import importlib
+
     import jax.numpy as jnp
     from flax import nnx
 
-    from dora_jax.models import llama
+    llama = importlib.import_module(getattr(package, "__name__", "dora_jax") + ".models.llama")
 
     tiny = _tiny() if tiny is None else tiny
     shape = (64, 128, 4, 2, 16) if tiny else (HIDDEN, INTERMEDIATE, HEADS, KV_HEADS, HEAD_DIM)

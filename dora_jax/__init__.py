@@ -16,6 +16,8 @@ Layout is Flax's: kernel [d_in, d_out], lora_a [d_in, r], lora_b [r, d_out], mag
     inject(model, target_modules=..., r=..., lora_alpha=..., rngs=...)
                                                      wrap matching nnx.Linear layers
     save_adapter / load_adapter                      adapter files in PEFT's format
+    swiglu(gate, up, x)                              silu(gate(x)) · up(x); for two DoRA layers
+                                                     one backward pass (a Mosaic GPU kernel)
 
 Precision: the norm, g and the composition run in promote_types(float32, compute dtype):
 float32 for bfloat16/float16/float32 activations, float64 for float64 ones (with
@@ -36,6 +38,7 @@ from .interop import load_adapter, load_peft_adapter, save_adapter, save_peft_ad
 from .merge import merge_weight, merged_kernel, unmerge_weight
 from .norm import base_sq_norm, factored_norm
 from .scalora import scalora_step, scalora_update
+from .swiglu import swiglu
 
 __all__ = [
     "DoraCache",
@@ -57,5 +60,6 @@ __all__ = [
     "scalora_step",
     "scalora_update",
     "sharding",
+    "swiglu",
     "unmerge_weight",
 ]

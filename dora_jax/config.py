@@ -24,6 +24,9 @@ def _is_pow2(v: int) -> bool:
 class MosaicConfig:
     """Tiles of the Mosaic GPU kernels (``dora_jax.mosaic``).
 
+    swiglu:  the SwiGLU pair's backward pass (``mosaic.swiglu_backward``), one
+             [swiglu_tile_m, swiglu_tile_n] tile per program (a smaller tile_m where the
+             token count needs one; 64 at least).
     compose: grid over (tokens / compose_tile_m, d_out / compose_tile_n), one warpgroup per
              program; the rank is walked by ``emit_pipeline`` with up to
              ``compose_max_concurrent_steps`` TMA copies in flight, and
@@ -37,12 +40,22 @@ class MosaicConfig:
     compose_tile_n: int = 128
     compose_max_concurrent_steps: int = 2
     compose_wgmma_in_flight: int = 0
+    swiglu_tile_m: int = 256
+    swiglu_tile_n: int = 32
 
     def __post_init__(self):
         for name in ("compose_tile_m", "compose_tile_n"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 64 or v % 64 or not _is_pow2(v):
                 raise ValueError(f"{name} must be a power of two and a multiple of 64; got {v!r}")
+        v = self.swiglu_tile_m
+        if not isinstance(v, int) or v < 64 or v % 64 or not _is_pow2(v):
+            raise ValueError(
+                f"swiglu_tile_m must be a power of two and a multiple of 64; got {v!r}"
+            )
+        v = self.swiglu_tile_n
+        if not isinstance(v, int) or v < 16 or v > 128 or not _is_pow2(v):
+            raise ValueError(f"swiglu_tile_n must be a power of two from 16 to 128; got {v!r}")
         v = self.compose_max_concurrent_steps
         if not isinstance(v, int) or v < 1:
             raise ValueError(f"compose_max_concurrent_steps must be a positive int; got {v!r}")
@@ -134,12 +147,15 @@ ShapePredicate = Callable[[int, int, int, int], bool]
 #: Ops with a Mosaic GPU kernel (``dora_jax.mosaic``), and where ``impl="auto"`` picks it on a
 #: Hopper GPU. No entry until the H200 measures it faster than the alternative
 #: (``benchmarks/bench_jax_layer``, provider ``ours_mosaic``): None = never chosen by "auto".
-AUTO_MOSAIC: Mapping[str, ShapePredicate | None] = MappingProxyType({"compose": None})
+AUTO_MOSAIC: Mapping[str, ShapePredicate | None] = MappingProxyType(
+    {"compose": None, "swiglu": None}
+)
 
 IMPLS = ("auto", "xla", "mosaic")
-#: The three ops an impl is resolved for: norm assembly from U = aᵀK and G = aᵀa; the compose
-#: y = g ⊙ (base + s·h·b) + bias; scale_reduce, dy_g = g ⊙ dy and Σ_t dy ⊙ saved.
-OPS = ("norm", "compose", "scale_reduce")
+#: The ops an impl is resolved for: norm assembly from U = aᵀK and G = aᵀa; the compose
+#: y = g ⊙ (base + s·h·b) + bias; scale_reduce, dy_g = g ⊙ dy and Σ_t dy ⊙ saved; swiglu, the
+#: scale_reduce of a SwiGLU pair of layers with the activation's derivative (``dora_jax.swiglu``).
+OPS = ("norm", "compose", "scale_reduce", "swiglu")
 
 
 def current_platform() -> str:
@@ -153,12 +169,13 @@ def current_platform() -> str:
 
 def _mosaic_takes(op: str, shape: tuple[int, int, int, int], dtype) -> bool:
     """Whether ``dora_jax.mosaic`` has a kernel for this op, shape and activation dtype."""
-    if op != "compose" or dtype is None:
+    if op not in ("compose", "swiglu") or dtype is None:
         return False
-    from .mosaic import compose_supported
+    from .mosaic import compose_supported, swiglu_supported
 
     tokens, _, d_out, _ = shape
-    return compose_supported(tokens, d_out, dtype)
+    supported = compose_supported if op == "compose" else swiglu_supported
+    return supported(tokens, d_out, dtype)
 
 
 def _is_hopper() -> bool:

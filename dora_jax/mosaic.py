@@ -1,6 +1,9 @@
 """Pallas Mosaic GPU kernels (Hopper: TMA copies, wgmma) for DoRA, and their launchers.
 
-Today one kernel: the compose fused into the LoRA product (docs/design.md §6.4),
+Two kernels: the compose fused into the LoRA product (docs/design.md §6.4), and the backward
+pass of a SwiGLU pair of DoRA layers (``swiglu_backward``, §4.1, at the end of this file).
+
+The compose:
 
     y[t, j] = g[j] · (base[t, j] + s · Σ_k h[t, k] b[k, j]) + bias[j]
 
@@ -166,18 +169,158 @@ def compose(
         bias_smem=plgpu.SMEM((tn,), bias_dtype),
         barriers=plgpu.Barrier(num_barriers=3, num_arrivals=1),
     )
-    interpret_params = None
-    if interpret:  # Pallas' GPU interpreter has no public name yet (jax 0.10-0.11)
-        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
-
-        interpret_params = InterpretGPUParams()
     call = plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct((tokens, d_out), dtype),
         scratch_types=scratch,
         grid=(tokens // tm, d_out // tn),
         grid_names=("m", "n"),
-        interpret=interpret_params,
+        interpret=_interpret_params() if interpret else None,
     )
     args = (base, h, lora_b, g.astype(jnp.float32)) + ((bias,) if has_bias else ())
     return call(*args)
+
+
+def _tile_rows(tokens: int, config: MosaicConfig) -> int:
+    """Rows of one ``swiglu_backward`` tile: ``config.swiglu_tile_m``, halved down to 64 until
+    it divides the token count (0: none does)."""
+    tm = config.swiglu_tile_m
+    while tm >= 64:
+        if tokens % tm == 0:
+            return tm
+        tm //= 2
+    return 0
+
+
+def swiglu_supported(tokens: int, d_out: int, dtype, config: MosaicConfig = DEFAULT_MOSAIC):
+    """Whether ``swiglu_backward`` takes this shape and activation dtype: bf16 or f16, tokens
+    a positive multiple of 64, d_out of ``config.swiglu_tile_n``."""
+    return (
+        jnp.dtype(dtype) in MOSAIC_DTYPES
+        and tokens > 0
+        and _tile_rows(tokens, config) > 0
+        and d_out % config.swiglu_tile_n == 0
+    )
+
+
+def swiglu_backward(
+    d_act,
+    inner_gate,
+    inner_up,
+    g_gate,
+    g_up,
+    *,
+    config: MosaicConfig = DEFAULT_MOSAIC,
+    interpret: bool = False,
+):
+    """The backward pass over [T, N] of ``act = silu(y_gate) · y_up`` for two DoRA layers,
+    y = round(g ⊙ inner) each (the XLA compose's output), in one read of its inputs:
+
+        dy_gate = d_act · y_up · σ(y_gate) · (1 + y_gate · (1 − σ(y_gate)))
+        dy_up   = d_act · y_gate · σ(y_gate)              (each rounded to the activation dtype)
+        returns  g_gate ⊙ dy_gate, g_up ⊙ dy_up            (saturated, in the activation dtype)
+                 Σ_t dy_gate ⊙ inner_gate, Σ_t dy_up ⊙ inner_up     (f32 [N])
+
+    the scale-and-reduce of both layers (``xla_ops.scale_reduce``) with the SwiGLU derivative
+    in front. XLA runs the same work as two or three passes that write the cotangents and read
+    them back (benchmarks/NOTES.md, session 26). Each program owns one [tile_m, tile_n] tile
+    (``swiglu_supported``): TMA copies of its three input tiles and of both g's columns, the
+    arithmetic in f32 (one rounding per cotangent, where XLA's bf16 ops round after each),
+    both scaled cotangents stored over the two inner tiles' SMEM, and the tile's column sums
+    written as one row of f32 partials that XLA adds up (T / tile_m rows).
+
+    d_act, inner_gate, inner_up: [T, N] in one 16-bit dtype; g_gate, g_up: [N] (used in f32).
+    """
+    tokens, d_out = d_act.shape
+    dtype = d_act.dtype
+    if not (inner_gate.dtype == inner_up.dtype == dtype):
+        raise ValueError(
+            f"d_act {dtype}, inner_gate {inner_gate.dtype} and inner_up {inner_up.dtype} must match"
+        )
+    if not (inner_gate.shape == inner_up.shape == d_act.shape):
+        raise ValueError(
+            f"d_act {d_act.shape}, inner_gate {inner_gate.shape} and inner_up "
+            f"{inner_up.shape} must have one shape"
+        )
+    if not swiglu_supported(tokens, d_out, dtype, config):
+        raise ValueError(
+            f"mosaic swiglu_backward needs a bf16/f16 [T, N] with T % 64 == 0 and "
+            f"N % {config.swiglu_tile_n} == 0; got {dtype} {d_act.shape}"
+        )
+    tm, tn = _tile_rows(tokens, config), config.swiglu_tile_n
+    blocks = tokens // tm
+    item = jnp.dtype(dtype).itemsize
+    big = float(jnp.finfo(dtype).max)
+    f32 = jnp.float32
+    wgmma = plgpu.Layout.WGMMA
+
+    def load(ref, layout):
+        if interpret:  # the interpreter models no layouts
+            return ref[...]
+        if _LOAD_NEEDS_INDEX:
+            return plgpu.load(ref, (), layout=layout)
+        return plgpu.load(ref, layout=layout)
+
+    def kernel(da_gmem, ig_gmem, iu_gmem, gg_gmem, gu_gmem, og_gmem, ou_gmem, cg_gmem, cu_gmem,
+               *, t_da, t_ig, t_iu, gg_smem, gu_smem, cg_smem, cu_smem, barriers):  # fmt: skip
+        i, j = lax.axis_index("m"), lax.axis_index("n")
+        rows, cols = pl.ds(i * tm, tm), pl.ds(j * tn, tn)
+        copies = ((da_gmem.at[rows, cols], t_da), (ig_gmem.at[rows, cols], t_ig),
+                  (iu_gmem.at[rows, cols], t_iu), (gg_gmem.at[cols], gg_smem),
+                  (gu_gmem.at[cols], gu_smem))  # fmt: skip
+        for k, (src, dst) in enumerate(copies):
+            plgpu.copy_gmem_to_smem(src, dst, barriers.at[k])
+        for k in range(len(copies)):
+            plgpu.barrier_wait(barriers.at[k])
+        column = wgmma.reduce(0)
+        gg = lax.broadcast_in_dim(load(gg_smem, column), (tm, tn), [1])
+        gu = lax.broadcast_in_dim(load(gu_smem, column), (tm, tn), [1])
+        da = load(t_da, wgmma).astype(f32)
+        ig = load(t_ig, wgmma).astype(f32)
+        iu = load(t_iu, wgmma).astype(f32)
+        yg = (gg * ig).astype(dtype).astype(f32)  # the forward's outputs, rounded as there
+        yu = (gu * iu).astype(dtype).astype(f32)
+        sig = 1.0 / (1.0 + jnp.exp(-yg))
+        dyu = (da * (yg * sig)).astype(dtype).astype(f32)
+        dyg = (da * yu * (sig * (1.0 + yg * (1.0 - sig)))).astype(dtype).astype(f32)
+        cg_smem[...] = jnp.sum(dyg * ig, axis=0)
+        cu_smem[...] = jnp.sum(dyu * iu, axis=0)
+        t_ig[...] = jnp.clip(dyg * gg, -big, big).astype(dtype)
+        t_iu[...] = jnp.clip(dyu * gu, -big, big).astype(dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(t_ig, og_gmem.at[rows, cols])
+        plgpu.copy_smem_to_gmem(t_iu, ou_gmem.at[rows, cols])
+        partial = pl.ds(i * d_out + j * tn, tn)
+        plgpu.copy_smem_to_gmem(cg_smem, cg_gmem.at[partial])
+        plgpu.copy_smem_to_gmem(cu_smem, cu_gmem.at[partial])
+        plgpu.wait_smem_to_gmem(0)
+
+    tile = functools.partial(plgpu.SMEM, (tm, tn), dtype, transforms=_swizzled(tn, item))
+    vector = functools.partial(plgpu.SMEM, (tn,), f32)
+    scratch = dict(
+        t_da=tile(), t_ig=tile(), t_iu=tile(),
+        gg_smem=vector(), gu_smem=vector(), cg_smem=vector(), cu_smem=vector(),
+        barriers=plgpu.Barrier(num_barriers=5, num_arrivals=1),
+    )  # fmt: skip
+    call = plgpu.kernel(
+        kernel,
+        out_type=(
+            jax.ShapeDtypeStruct((tokens, d_out), dtype),
+            jax.ShapeDtypeStruct((tokens, d_out), dtype),
+            jax.ShapeDtypeStruct((blocks * d_out,), f32),
+            jax.ShapeDtypeStruct((blocks * d_out,), f32),
+        ),
+        scratch_types=scratch,
+        grid=(blocks, d_out // tn),
+        grid_names=("m", "n"),
+        interpret=_interpret_params() if interpret else None,
+    )
+    dg, du, cg, cu = call(d_act, inner_gate, inner_up, g_gate.astype(f32), g_up.astype(f32))
+    return dg, du, cg.reshape(blocks, d_out).sum(0), cu.reshape(blocks, d_out).sum(0)
+
+
+def _interpret_params():
+    """Pallas' GPU interpreter's parameters (no public name yet in jax 0.10-0.11)."""
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+
+    return InterpretGPUParams()

@@ -150,6 +150,17 @@ def _forward(opts: Options, x, x_d, kernel, lora_a, lora_b, magnitude, bias, bas
     return y, (res, saved_is_inner)
 
 
+def layer_forward(opts: Options, x, kernel, lora_a, lora_b, magnitude, base_sq, *, perturbed):
+    """(y, packed residuals for ``layer_grads``) of one layer without dropout, bias or a frozen
+    norm, for a custom_vjp that spans several layers (``dora_jax.swiglu``); ``perturbed``:
+    whether (x, kernel, lora_a, lora_b, magnitude) need cotangents."""
+    y, (res, saved_is_inner) = _forward(
+        opts, x, None, kernel, lora_a, lora_b, magnitude, None, base_sq, None
+    )
+    px, pk, pa, pb, pm = perturbed
+    return y, (res, _Flags((px, False, pk, pa, pb, pm, False), saved_is_inner))
+
+
 @jax.tree_util.register_static
 @dataclass(frozen=True)
 class _Flags:
@@ -195,12 +206,37 @@ def _fwd(opts: Options, x, x_d, kernel, lora_a, lora_b, magnitude, bias, base_sq
 
 
 def _bwd(opts: Options, packed, dy):
+    if isinstance(dy, SymbolicZero):
+        return (None,) * 9
+    saved, g = packed[0][8], packed[0][9]
+    dy_g, col = xla_ops.scale_reduce(dy, saved, g)
+    return layer_grads(opts, packed, dy, dy_g, col)
+
+
+def takes_scaled_cotangent(opts: Options, packed) -> bool:
+    """Whether ``layer_grads`` of this layer needs only (dy_g, Σ_t dy ⊙ inner), not dy itself:
+    inner saved, no dropout, no bias gradient, not f16 (whose db takes hᵀ·dy), not the exact
+    norm gradient. A fused pass that forms both (``mosaic.swiglu_backward``) can then stand
+    in for ``xla_ops.scale_reduce``."""
+    res, flags = packed
+    x, x_d, bias = res[0], res[1], res[6]
+    narrow = jnp.finfo(x.dtype).maxexp < jnp.finfo(acc_dtype(x.dtype)).maxexp
+    return (
+        flags.saved_is_inner
+        and x_d is None
+        and bias is None
+        and not narrow
+        and not opts.exact_norm_grad
+    )
+
+
+def layer_grads(opts: Options, packed, dy, dy_g, col):
+    """The layer's cotangents (``dora_core``'s inputs, in order) from dy, dy_g = g ⊙ dy and
+    col = Σ_t dy ⊙ saved (module docstring). dy may be None where ``takes_scaled_cotangent``."""
     res, flags = packed
     px, pxd, pk, pa, pb, pm, pbias = flags.perturbed
     saved_is_inner = flags.saved_is_inner
-    x, x_d, kernel, lora_a, lora_b, magnitude, bias, h, saved, g, n, w = res
-    if isinstance(dy, SymbolicZero):
-        return (None,) * 9
+    x, x_d, kernel, lora_a, lora_b, magnitude, bias, h, _, g, n, w = res
     cd = x.dtype
     acc = acc_dtype(cd)
     s = opts.scaling
@@ -208,8 +244,8 @@ def _bwd(opts: Options, packed, dy):
     n_safe = safe_norm(n, acc)
     b_c = lora_b.astype(cd)
     a_c = lora_a.astype(cd)
-
-    dy_g, col = xla_ops.scale_reduce(dy, saved, g)
+    if dy is None and not takes_scaled_cotangent(opts, packed):
+        raise ValueError("layer_grads needs dy for this layer (takes_scaled_cotangent is False)")
     # The adapter's input and the cotangent of its base product: (x, dy_g), or with dropout
     # (x_d, dy_g1); the base product of x itself then takes plain dy.
     dropout = x_d is not None

@@ -26,6 +26,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from ..swiglu import swiglu
+
 
 @dataclass(frozen=True)
 class LlamaConfig:
@@ -145,7 +147,8 @@ class MLP(nnx.Module):
         self.down_proj = nnx.Linear(cfg.intermediate_size, cfg.hidden_size, **kw)
 
     def __call__(self, x):
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        # silu(gate(x)) · up(x); two DoRA projections share one backward pass (dora_jax.swiglu)
+        return self.down_proj(swiglu(self.gate_proj, self.up_proj, x))
 
 
 class DecoderLayer(nnx.Module):

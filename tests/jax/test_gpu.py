@@ -92,6 +92,38 @@ def test_mosaic_compose_matches_float64(tokens, d_out, rank, dtype, in_flight):
     check_compose(compose, tokens, d_out, rank, dtype)
 
 
+@pytest.mark.skipif(not _hopper(), reason="Mosaic GPU kernels need Hopper (sm90)")
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
+@pytest.mark.parametrize(
+    ("tokens", "d_out", "tiles"),
+    [(64, 32, (256, 32)), (192, 96, (256, 32)), (1024, 512, (128, 64)), (2048, 4096, (256, 32)),
+     (4096, 14336, (256, 32)), (320, 128, (64, 128))],
+)  # fmt: skip
+def test_mosaic_swiglu_backward_matches_float64(tokens, d_out, tiles, dtype):
+    from dora_jax import mosaic
+    from dora_jax.config import MosaicConfig
+    from shared_spec.tolerances import assert_close
+
+    from .test_swiglu import float64_pass, kernel_operands, xla_pass
+
+    config = MosaicConfig(swiglu_tile_m=tiles[0], swiglu_tile_n=tiles[1])
+    ops = kernel_operands(tokens, d_out, dtype, seed=tokens + d_out)
+    got = jax.jit(functools.partial(mosaic.swiglu_backward, config=config))(*ops)
+    ref, base = float64_pass(*ops, dtype), xla_pass(*ops)
+    eps = float(jnp.finfo(dtype).eps)
+    for name, a, r, b in zip(("dy_g gate", "dy_g up", "col gate", "col up"), got, ref, base):
+        assert bool(jnp.all(jnp.isfinite(a))), name
+        assert_close(a, r, b, machine_eps=eps, name=name)
+
+
+@pytest.mark.skipif(not _hopper(), reason="Mosaic GPU kernels need Hopper (sm90)")
+@pytest.mark.parametrize(("d_in", "d_out", "r", "tokens"), [(256, 512, 16, 256), (128, 96, 1, 64)])
+def test_mosaic_swiglu_pair_matches_float64(d_in, d_out, r, tokens, x64):
+    from .test_swiglu import check_fused_pair
+
+    check_fused_pair(d_in, d_out, r, tokens)
+
+
 def test_scalora_merge_rewrites_the_kernel_in_place():
     """The blocked merge (``scalora.merge_scaled``) on a donated bf16 kernel compiles to an
     in-place update: its temporaries hold one f32 block of rows, not a copy of the kernel

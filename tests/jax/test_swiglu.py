@@ -1,0 +1,216 @@
+"""dora_jax.swiglu and its Mosaic kernel on the CPU: the kernel under Pallas' GPU interpreter
+against float64, lowered for CUDA, and the fused pair's value and gradients against the
+unfused expression under the shared tolerance rule. Compiled runs: ``test_gpu.py``."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import dora_jax
+from dora_jax import mosaic
+from dora_jax.config import MosaicConfig, resolve_impl
+from dora_jax.dense import DoraDense
+from shared_spec.tolerances import assert_close
+
+BF16_EPS = float(jnp.finfo(jnp.bfloat16).eps)
+
+
+def kernel_operands(tokens, d_out, dtype=jnp.bfloat16, seed=0):
+    k = jax.random.split(jax.random.key(seed), 5)
+    d_act = jax.random.normal(k[0], (tokens, d_out)).astype(dtype)
+    inner_g = (2 * jax.random.normal(k[1], (tokens, d_out))).astype(dtype)
+    inner_u = jax.random.normal(k[2], (tokens, d_out)).astype(dtype)
+    g_g = 1 + 0.1 * jax.random.normal(k[3], (d_out,))
+    g_u = 1 + 0.1 * jax.random.normal(k[4], (d_out,))
+    return d_act, inner_g, inner_u, g_g, g_u
+
+
+def float64_pass(d_act, inner_g, inner_u, g_g, g_u, dtype):
+    """The kernel's math in float64 from the same inputs (y rounded to dtype, as the forward
+    rounds it; nothing else rounded)."""
+    f = functools.partial(np.asarray, dtype=np.float64)
+    da, ig, iu = (f(jnp.asarray(v, jnp.float32)) for v in (d_act, inner_g, inner_u))
+    gg, gu = f(g_g), f(g_u)
+    yg = f(jnp.asarray(jnp.asarray(gg * ig, jnp.float32).astype(dtype), jnp.float32))
+    yu = f(jnp.asarray(jnp.asarray(gu * iu, jnp.float32).astype(dtype), jnp.float32))
+    sig = 1 / (1 + np.exp(-yg))
+    dyg = da * yu * sig * (1 + yg * (1 - sig))
+    dyu = da * yg * sig
+    return gg * dyg, gu * dyu, (dyg * ig).sum(0), (dyu * iu).sum(0)
+
+
+def xla_pass(d_act, inner_g, inner_u, g_g, g_u):
+    """The same pass as the unfused layers run it: autodiff of silu·mul in the activation
+    dtype, then each layer's ``xla_ops.scale_reduce``."""
+    from dora_jax import xla_ops
+
+    dt = d_act.dtype
+    yg = (g_g[None, :] * inner_g.astype(jnp.float32)).astype(dt)
+    yu = (g_u[None, :] * inner_u.astype(jnp.float32)).astype(dt)
+    _, pull = jax.vjp(lambda a, b: jax.nn.silu(a) * b, yg, yu)
+    dyg, dyu = pull(d_act)
+    (sg, cg), (su, cu) = (
+        xla_ops.scale_reduce(dyg, inner_g, g_g),
+        xla_ops.scale_reduce(dyu, inner_u, g_u),
+    )
+    return sg, su, cg, cu
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
+@pytest.mark.parametrize(("tokens", "d_out"), [(64, 32), (192, 96), (256, 64)])
+def test_kernel_matches_float64_within_the_xla_error(tokens, d_out, dtype):
+    ops = kernel_operands(tokens, d_out, dtype)
+    got = mosaic.swiglu_backward(*ops, interpret=True)
+    ref = float64_pass(*ops, dtype)
+    base = xla_pass(*ops)
+    eps = float(jnp.finfo(dtype).eps)
+    for name, a, r, b in zip(("dy_g gate", "dy_g up", "col gate", "col up"), got, ref, base):
+        assert a.dtype == (dtype if name.startswith("dy_g") else jnp.float32)
+        assert_close(a, r, b, machine_eps=eps, name=name)
+
+
+def test_kernel_saturates_instead_of_overflowing():
+    d_act, inner_g, inner_u, g_g, g_u = kernel_operands(64, 32, jnp.float16)
+    # a zero-norm column of the gate: its inner is zero and g = m / eps
+    inner_g, g_g = inner_g.at[:, 3].set(0), g_g.at[3].set(1e30)
+    dyg, dyu, *_ = mosaic.swiglu_backward(d_act, inner_g, inner_u, g_g, g_u, interpret=True)
+    assert bool(jnp.all(jnp.isfinite(dyg))) and bool(jnp.all(jnp.isfinite(dyu)))
+    assert float(jnp.max(jnp.abs(dyg[:, 3]))) == float(jnp.finfo(jnp.float16).max)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
+@pytest.mark.parametrize(
+    "config",
+    [
+        MosaicConfig(),
+        MosaicConfig(swiglu_tile_m=128, swiglu_tile_n=64),
+        MosaicConfig(swiglu_tile_m=64),
+    ],
+)
+def test_kernel_lowers_for_cuda(config, dtype):
+    ops = kernel_operands(512, 256, dtype)
+    fn = jax.jit(functools.partial(mosaic.swiglu_backward, config=config))
+    assert "mosaic_gpu" in fn.trace(*ops).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def test_kernel_refuses_what_it_cannot_tile():
+    assert mosaic.swiglu_supported(192, 64, jnp.bfloat16)  # 192 rows: tiles of 64
+    for tokens, d_out, dtype in [(100, 64, "bfloat16"), (64, 48, "bfloat16"), (0, 64, "bfloat16"),
+                                 (64, 64, "float32")]:  # fmt: skip
+        assert not mosaic.swiglu_supported(tokens, d_out, dtype)
+    d_act, inner_g, inner_u, g_g, g_u = kernel_operands(64, 32)
+    with pytest.raises(ValueError, match="T % 64 == 0"):
+        mosaic.swiglu_backward(d_act[:60], inner_g[:60], inner_u[:60], g_g, g_u)
+    with pytest.raises(ValueError, match="must match"):
+        mosaic.swiglu_backward(d_act, inner_g.astype(jnp.float16), inner_u, g_g, g_u)
+    with pytest.raises(ValueError, match="one shape"):
+        mosaic.swiglu_backward(d_act, inner_g, inner_u[:, :16], g_g, g_u)
+
+
+def test_swiglu_tiles_are_checked():
+    with pytest.raises(ValueError, match="swiglu_tile_m"):
+        MosaicConfig(swiglu_tile_m=96)
+    with pytest.raises(ValueError, match="swiglu_tile_n"):
+        MosaicConfig(swiglu_tile_n=8)
+
+
+def _pair(d_in, d_out, r, *, impl, seed=0, **kw):
+    rngs = nnx.Rngs(seed)
+    up_bias = kw.pop("use_bias", False)  # on the up layer only
+    layers = []
+    for i in range(2):
+        lin = nnx.Linear(d_in, d_out, use_bias=up_bias and i == 1, param_dtype=jnp.bfloat16,
+                         rngs=rngs)  # fmt: skip
+        layer = DoraDense.from_linear(lin, r=r, lora_alpha=2 * r, rngs=rngs, impl=impl, **kw)
+        b = 0.05 * jax.random.normal(jax.random.key(seed + 10 + i), layer.lora_b.get_value().shape)
+        layer.lora_b.set_value(b.astype(layer.lora_b.get_value().dtype))
+        layers.append(layer)
+    return layers
+
+
+def _loss_and_grads(gate, up, x, w):
+    def loss(gate, up, x):
+        return jnp.sum(dora_jax.swiglu(gate, up, x).astype(w.dtype) * w)
+
+    params = (nnx.DiffState(0, nnx.Param), nnx.DiffState(1, nnx.Param), 2)
+    (gg, gu, gx) = nnx.grad(loss, argnums=params)(gate, up, x)
+    return loss(gate, up, x), (gg, gu, gx)
+
+
+def _flat(grads):
+    gg, gu, gx = grads
+    leaves = {f"gate/{'/'.join(map(str, p))}": v for p, v in nnx.to_flat_state(gg)}
+    leaves |= {f"up/{'/'.join(map(str, p))}": v for p, v in nnx.to_flat_state(gu)}
+    leaves["x"] = gx
+
+    def f64(v):
+        v = v.get_value() if isinstance(v, nnx.Variable) else v
+        return np.asarray(jnp.asarray(v, jnp.float32), np.float64)
+
+    return {k: f64(v) for k, v in leaves.items()}
+
+
+def check_fused_pair(d_in, d_out, r, tokens):
+    """The fused pair's loss and every gradient against the float64 pair, within the unfused
+    bf16 pair's error (needs float64 enabled). On a GPU the kernel runs compiled."""
+    x = jax.random.normal(jax.random.key(1), (2, tokens // 2, d_in)).astype(jnp.bfloat16)
+    w = jax.random.normal(jax.random.key(2), (2, tokens // 2, d_out))
+    fused = _loss_and_grads(*_pair(d_in, d_out, r, impl="mosaic"), x, w)
+    unfused = _loss_and_grads(*_pair(d_in, d_out, r, impl="xla"), x, w)
+    gate64, up64 = _pair(d_in, d_out, r, impl="xla")
+    for layer in (gate64, up64):
+        layer.dtype = jnp.float64
+    ref = _loss_and_grads(gate64, up64, x.astype(jnp.float64), w.astype(jnp.float64))
+    got, base, want = _flat(fused[1]), _flat(unfused[1]), _flat(ref[1])
+    assert set(got) == set(want) and len(got) == 9  # kernel, a, b, m of each layer, and x
+    for name in want:
+        assert_close(got[name], want[name], base[name], machine_eps=BF16_EPS, name=name)
+    assert_close(fused[0], ref[0], unfused[0], machine_eps=BF16_EPS, name="loss")
+
+
+def test_fused_pair_matches_the_float64_pair_within_the_unfused_error(x64):
+    check_fused_pair(48, 64, 8, 128)
+
+
+def _fuses(gate, up, x):
+    # deterministic: no dropout key is drawn, which make_jaxpr's trace could not mutate
+    jaxpr = str(jax.make_jaxpr(lambda x: dora_jax.swiglu(gate, up, x, deterministic=True))(x))
+    return "swiglu_core" in jaxpr or "mosaic_gpu" in jaxpr or "mpmd" in jaxpr
+
+
+def test_swiglu_fuses_only_where_the_kernel_applies():
+    x = jnp.ones((128, 48), jnp.bfloat16)
+    assert _fuses(*_pair(48, 64, 4, impl="mosaic"), x)
+    assert not _fuses(*_pair(48, 64, 4, impl="xla"), x)
+    assert not _fuses(*_pair(48, 64, 4, impl="mosaic"), x[:100])  # no tile of 64 rows
+    assert not _fuses(*_pair(48, 64, 4, impl="mosaic"), x.astype(jnp.float32))
+    assert not _fuses(*_pair(48, 64, 4, impl="mosaic", use_bias=True), x)
+    assert not _fuses(*_pair(48, 64, 4, impl="mosaic", lora_dropout=0.1), x)
+    assert not _fuses(*_pair(48, 64, 4, impl="mosaic", exact_norm_grad=True), x)
+    gate, up = _pair(48, 64, 4, impl="mosaic")
+    gate.freeze_norm()
+    assert not _fuses(gate, up, x)
+
+
+def test_swiglu_of_plain_layers_is_the_plain_expression():
+    rngs = nnx.Rngs(0)
+    gate, up = nnx.Linear(8, 16, rngs=rngs), nnx.Linear(8, 16, rngs=rngs)
+    x = jax.random.normal(jax.random.key(0), (4, 8))
+    want = jax.nn.silu(gate(x)) * up(x)
+    np.testing.assert_array_equal(np.asarray(dora_jax.swiglu(gate, up, x)), np.asarray(want))
+
+
+def test_swiglu_op_resolves_like_the_compose():
+    shape = (256, 48, 64, 8)
+    assert (
+        resolve_impl("mosaic", "swiglu", platform="gpu", shape=shape, dtype="bfloat16") == "mosaic"
+    )
+    assert resolve_impl("mosaic", "swiglu", platform="gpu", shape=(100, 48, 64, 8),
+                        dtype="bfloat16") == "xla"  # fmt: skip
+    assert resolve_impl("auto", "swiglu", platform="cpu", shape=shape, dtype="bfloat16") == "xla"
