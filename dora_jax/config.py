@@ -144,11 +144,20 @@ SCALORA_MERGE_ROWS = 1024
 # Mosaic kernel was measured faster than XLA on the GPU. None means "XLA on every shape".
 ShapePredicate = Callable[[int, int, int, int], bool]
 
+def _every_shape(tokens: int, d_in: int, d_out: int, rank: int) -> bool:
+    """Every shape the kernel takes (``_mosaic_takes`` checks that first)."""
+    return True
+
+
 #: Ops with a Mosaic GPU kernel (``dora_jax.mosaic``), and where ``impl="auto"`` picks it on a
-#: Hopper GPU. No entry until the H200 measures it faster than the alternative
-#: (``benchmarks/bench_jax_layer``, provider ``ours_mosaic``): None = never chosen by "auto".
+#: Hopper GPU. No entry until the H200 measures it faster than the alternative in one process
+#: (``benchmarks/ab_jax``): None = never chosen by "auto".
+#: - compose: None. XLA's compose is never slower since the base product's barriers (run 108).
+#: - swiglu: every shape. The 8-layer Llama-8B step, one process, fused against unfused:
+#:   r = 16 −0.44 ms, r = 384 −0.52 ms at batch 1 × 2048, r = 16 −1.40 ms at batch 4 × 2048
+#:   (run 115, benchmarks/NOTES.md session 27).
 AUTO_MOSAIC: Mapping[str, ShapePredicate | None] = MappingProxyType(
-    {"compose": None, "swiglu": None}
+    {"compose": None, "swiglu": _every_shape}
 )
 
 IMPLS = ("auto", "xla", "mosaic")

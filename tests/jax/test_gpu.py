@@ -124,6 +124,13 @@ def test_mosaic_swiglu_pair_matches_float64(d_in, d_out, r, tokens, x64):
     check_fused_pair(d_in, d_out, r, tokens)
 
 
+@pytest.mark.skipif(not _hopper(), reason="Mosaic GPU kernels need Hopper (sm90)")
+def test_auto_fuses_the_llama_twins_mlp_pair_on_hopper():
+    from .test_swiglu import twin_fuses
+
+    assert twin_fuses("auto")
+
+
 def test_scalora_merge_rewrites_the_kernel_in_place():
     """The blocked merge (``scalora.merge_scaled``) on a donated bf16 kernel compiles to an
     in-place update: its temporaries hold one f32 block of rows, not a copy of the kernel

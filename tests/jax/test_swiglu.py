@@ -214,3 +214,24 @@ def test_swiglu_op_resolves_like_the_compose():
     assert resolve_impl("mosaic", "swiglu", platform="gpu", shape=(100, 48, 64, 8),
                         dtype="bfloat16") == "xla"  # fmt: skip
     assert resolve_impl("auto", "swiglu", platform="cpu", shape=shape, dtype="bfloat16") == "xla"
+
+
+def twin_fuses(impl: str) -> bool:
+    """Whether the llama twin's MLP, with DoRA on gate/up/down at ``impl``, traces the fused
+    pair (bf16, 128 tokens)."""
+    from dora_jax.models import llama
+
+    cfg = llama.LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128,
+                            num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                            head_dim=32)  # fmt: skip
+    model = llama.LlamaForCausalLM(cfg, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    dora_jax.inject(model, target_modules=["gate_proj", "up_proj", "down_proj"], r=4,
+                    lora_alpha=8, rngs=nnx.Rngs(1), impl=impl)  # fmt: skip
+    ids = jax.random.randint(jax.random.key(0), (1, 128), 0, 64)
+    return "swiglu_core" in str(jax.make_jaxpr(lambda ids: model(ids))(ids))
+
+
+def test_the_llama_twin_fuses_its_mlp_pair():
+    assert twin_fuses("mosaic")
+    assert not twin_fuses("xla")
+    assert not twin_fuses("auto")  # on the CPU
