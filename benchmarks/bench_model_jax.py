@@ -14,7 +14,8 @@ Providers (each on a fresh ``nnx.merge`` of the same base state; bf16 activation
   - ``ours_f32`` / ``ours_bf16``: ``dora_jax.inject`` (DoraDense, ``impl="auto"``) with f32
     (the default) / bf16 adapter parameters; ‖K‖² cached (``cache_base_sq``; K is frozen);
   - ``ours_mosaic``: as ``ours_bf16`` with ``impl="mosaic"`` (the Mosaic GPU compose on
-    Hopper, which every projection's shape here takes; XLA elsewhere);
+    Hopper, which every projection's shape here takes; XLA elsewhere; the SwiGLU pair's
+    Mosaic backward, which ``ours_bf16`` also takes under "auto" on Hopper);
   - ``ours_bf16_f32_gram``: as ``ours_bf16`` with the norm's G·b as an f32 HIGHEST product
     (``config.NORM_GEMM_BF16X3`` off while its programs are traced), the A/B of the bf16x3
     Gram term.

@@ -44,15 +44,10 @@ class MosaicConfig:
     swiglu_tile_n: int = 32
 
     def __post_init__(self):
-        for name in ("compose_tile_m", "compose_tile_n"):
+        for name in ("compose_tile_m", "compose_tile_n", "swiglu_tile_m"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 64 or v % 64 or not _is_pow2(v):
                 raise ValueError(f"{name} must be a power of two and a multiple of 64; got {v!r}")
-        v = self.swiglu_tile_m
-        if not isinstance(v, int) or v < 64 or v % 64 or not _is_pow2(v):
-            raise ValueError(
-                f"swiglu_tile_m must be a power of two and a multiple of 64; got {v!r}"
-            )
         v = self.swiglu_tile_n
         if not isinstance(v, int) or v < 16 or v > 128 or not _is_pow2(v):
             raise ValueError(f"swiglu_tile_n must be a power of two from 16 to 128; got {v!r}")
@@ -143,6 +138,7 @@ SCALORA_MERGE_ROWS = 1024
 # A predicate sees the layer shape (tokens, d_in, d_out, rank) and returns True where the
 # Mosaic kernel was measured faster than XLA on the GPU. None means "XLA on every shape".
 ShapePredicate = Callable[[int, int, int, int], bool]
+
 
 def _every_shape(tokens: int, d_in: int, d_out: int, rank: int) -> bool:
     """Every shape the kernel takes (``_mosaic_takes`` checks that first)."""

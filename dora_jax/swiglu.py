@@ -2,11 +2,12 @@
 
 A SwiGLU MLP (Llama's gate_proj / up_proj) ends its backward, in each DoRA layer, with the
 scale-and-reduce over [T, d_out] (g ⊙ dy and Σ_t dy ⊙ inner, ``xla_ops.scale_reduce``) right
-after the SwiGLU derivative. XLA runs that work as two or three passes whatever form the
-backward is written in (benchmarks/NOTES.md, session 26). ``swiglu`` puts both layers and the
-activation under one custom_vjp whose backward runs ``mosaic.swiglu_backward``: d_act and both
-layers' saved inner read once, both scaled cotangents written once; the GEMMs that follow are
-each layer's own (``vjp.layer_grads``). The forward is the two layers' forward unchanged.
+after the SwiGLU derivative (docs/design.md §4.1). XLA runs that work as two or three passes
+whatever form the backward is written in (benchmarks/NOTES.md, session 26). ``swiglu`` puts
+both layers and the activation under one custom_vjp whose backward runs
+``mosaic.swiglu_backward``: d_act and both layers' saved inner read once, both scaled cotangents
+written once; the GEMMs that follow are each layer's own (``vjp.layer_grads``). The forward is
+the two layers' forward unchanged.
 
 The pair is fused where the kernel applies, and otherwise the two layers run as written:
 both layers ``DoraDense``, unmerged, without bias, adapter dropout, a frozen norm, the exact
@@ -27,7 +28,7 @@ from . import mosaic
 from .checks import check_input
 from .config import current_platform, resolve_impl
 from .dense import DoraDense
-from .vjp import Options, layer_forward, layer_grads, takes_scaled_cotangent
+from .vjp import Options, layer_forward, layer_grads, saved_and_g, takes_scaled_cotangent
 
 
 def swiglu(gate, up, x, *, deterministic: bool | None = None, rngs=None):
@@ -147,8 +148,8 @@ def _bwd(opts_g, opts_u, res, d_act):
     if isinstance(d_act, SymbolicZero):
         return (None,) * 11
     packed_g, packed_u = res
-    saved_g, g_g = packed_g[0][8], packed_g[0][9]
-    saved_u, g_u = packed_u[0][8], packed_u[0][9]
+    saved_g, g_g = saved_and_g(packed_g)
+    saved_u, g_u = saved_and_g(packed_u)
     dy_g_gate, dy_g_up, col_gate, col_up = mosaic.swiglu_backward(
         d_act.astype(saved_g.dtype), saved_g, saved_u, g_g, g_u, interpret=opts_g.interpret
     )

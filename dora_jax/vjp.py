@@ -208,9 +208,15 @@ def _fwd(opts: Options, x, x_d, kernel, lora_a, lora_b, magnitude, bias, base_sq
 def _bwd(opts: Options, packed, dy):
     if isinstance(dy, SymbolicZero):
         return (None,) * 9
-    saved, g = packed[0][8], packed[0][9]
-    dy_g, col = xla_ops.scale_reduce(dy, saved, g)
+    dy_g, col = xla_ops.scale_reduce(dy, *saved_and_g(packed))
     return layer_grads(opts, packed, dy, dy_g, col)
+
+
+def saved_and_g(packed):
+    """(saved [T, d_out], g [d_out]) of a layer's packed residuals: what its scale-and-reduce
+    reads besides dy (saved is inner, or base after the Mosaic compose)."""
+    res = packed[0]
+    return res[8], res[9]
 
 
 def takes_scaled_cotangent(opts: Options, packed) -> bool:
