@@ -125,6 +125,23 @@ def test_mosaic_swiglu_pair_matches_float64(d_in, d_out, r, tokens, x64):
 
 
 @pytest.mark.skipif(not _hopper(), reason="Mosaic GPU kernels need Hopper (sm90)")
+def test_mosaic_swiglu_backward_saturates_zero_norm_columns():
+    from dora_jax import mosaic
+
+    from .test_swiglu import check_saturation
+
+    check_saturation(jax.jit(mosaic.swiglu_backward), tokens=512, d_out=256)
+
+
+@pytest.mark.skipif(not _hopper(), reason="Mosaic GPU kernels need Hopper (sm90)")
+@pytest.mark.parametrize("tokens", [0, 1, 100])
+def test_swiglu_falls_back_where_the_kernel_cannot_tile(tokens):
+    from .test_swiglu import check_fallback
+
+    check_fallback("auto", tokens)
+
+
+@pytest.mark.skipif(not _hopper(), reason="Mosaic GPU kernels need Hopper (sm90)")
 def test_auto_fuses_the_llama_twins_mlp_pair_on_hopper():
     from .test_swiglu import twin_fuses
 

@@ -75,13 +75,18 @@ def test_kernel_matches_float64_within_the_xla_error(tokens, d_out, dtype):
         assert_close(a, r, b, machine_eps=eps, name=name)
 
 
-def test_kernel_saturates_instead_of_overflowing():
-    d_act, inner_g, inner_u, g_g, g_u = kernel_operands(64, 32, jnp.float16)
-    # a zero-norm column of the gate: its inner is zero and g = m / eps
+def check_saturation(backward, tokens=64, d_out=32):
+    """``backward`` (swiglu_backward's signature) saturates g ⊙ dy of a zero-norm f16 column
+    (inner zero, g = m / eps) at the dtype's max instead of overflowing to inf."""
+    d_act, inner_g, inner_u, g_g, g_u = kernel_operands(tokens, d_out, jnp.float16)
     inner_g, g_g = inner_g.at[:, 3].set(0), g_g.at[3].set(1e30)
-    dyg, dyu, *_ = mosaic.swiglu_backward(d_act, inner_g, inner_u, g_g, g_u, interpret=True)
-    assert bool(jnp.all(jnp.isfinite(dyg))) and bool(jnp.all(jnp.isfinite(dyu)))
+    dyg, dyu, col_g, col_u = backward(d_act, inner_g, inner_u, g_g, g_u)
+    assert all(bool(jnp.all(jnp.isfinite(v))) for v in (dyg, dyu, col_g, col_u))
     assert float(jnp.max(jnp.abs(dyg[:, 3]))) == float(jnp.finfo(jnp.float16).max)
+
+
+def test_kernel_saturates_instead_of_overflowing():
+    check_saturation(functools.partial(mosaic.swiglu_backward, interpret=True))
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
@@ -196,6 +201,20 @@ def test_swiglu_fuses_only_where_the_kernel_applies():
     gate, up = _pair(48, 64, 4, impl="mosaic")
     gate.freeze_norm()
     assert not _fuses(gate, up, x)
+
+
+def check_fallback(impl, tokens):
+    """Where the kernel cannot tile the tokens (0, 1, not a multiple of 64) ``swiglu`` is
+    exactly the unfused expression."""
+    gate, up = _pair(48, 64, 4, impl=impl)
+    x = jax.random.normal(jax.random.key(tokens), (tokens, 48)).astype(jnp.bfloat16)
+    want = jax.nn.silu(gate(x)) * up(x)
+    np.testing.assert_array_equal(np.asarray(dora_jax.swiglu(gate, up, x)), np.asarray(want))
+
+
+@pytest.mark.parametrize("tokens", [0, 1, 100])
+def test_swiglu_falls_back_where_the_kernel_cannot_tile(tokens):
+    check_fallback("mosaic", tokens)
 
 
 def test_swiglu_of_plain_layers_is_the_plain_expression():
