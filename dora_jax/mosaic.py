@@ -117,12 +117,7 @@ def compose(
 
     def row_vector(ref):
         """A [tn] f32 vector laid out to broadcast over the rows of a wgmma accumulator."""
-        if interpret:
-            return ref[...].astype(jnp.float32)
-        layout = plgpu.Layout.WGMMA.reduce(0)
-        if _LOAD_NEEDS_INDEX:
-            return plgpu.load(ref, (), layout=layout).astype(jnp.float32)
-        return plgpu.load(ref, layout=layout).astype(jnp.float32)
+        return _load(ref, plgpu.Layout.WGMMA.reduce(0), interpret).astype(jnp.float32)
 
     def kernel(base_gmem, h_gmem, b_gmem, g_gmem, *rest, tile, g_smem, bias_smem, barriers):
         bias_gmem, y_gmem = rest if has_bias else (None, rest[0])
@@ -254,12 +249,7 @@ def swiglu_backward(
     f32 = jnp.float32
     wgmma = plgpu.Layout.WGMMA
 
-    def load(ref, layout):
-        if interpret:  # the interpreter models no layouts
-            return ref[...]
-        if _LOAD_NEEDS_INDEX:
-            return plgpu.load(ref, (), layout=layout)
-        return plgpu.load(ref, layout=layout)
+    load = functools.partial(_load, interpret=interpret)
 
     def kernel(da_gmem, ig_gmem, iu_gmem, gg_gmem, gu_gmem, og_gmem, ou_gmem, cg_gmem, cu_gmem,
                *, t_da, t_ig, t_iu, gg_smem, gu_smem, cg_smem, cu_smem, barriers):  # fmt: skip
@@ -317,6 +307,15 @@ def swiglu_backward(
     )
     dg, du, cg, cu = call(d_act, inner_gate, inner_up, g_gate.astype(f32), g_up.astype(f32))
     return dg, du, cg.reshape(blocks, d_out).sum(0), cu.reshape(blocks, d_out).sum(0)
+
+
+def _load(ref, layout, interpret: bool):
+    """The whole SMEM ref in registers with ``layout`` (the interpreter models no layouts)."""
+    if interpret:
+        return ref[...]
+    if _LOAD_NEEDS_INDEX:
+        return plgpu.load(ref, (), layout=layout)
+    return plgpu.load(ref, layout=layout)
 
 
 def _interpret_params():
