@@ -19,6 +19,7 @@ the kernel tiles, "auto" where ``AUTO_MOSAIC`` says it wins on the H200).
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -83,9 +84,7 @@ def _fusable(gate, up, x):
         return None
     d_in, d_out = shape
     check_input(x, d_in)
-    tokens = 1
-    for d in x.shape[:-1]:
-        tokens *= int(d)
+    tokens = math.prod(x.shape[:-1])
     platform = current_platform()
     opts = []
     for layer in layers:
