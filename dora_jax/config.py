@@ -24,9 +24,10 @@ def _is_pow2(v: int) -> bool:
 class MosaicConfig:
     """Tiles of the Mosaic GPU kernels (``dora_jax.mosaic``).
 
-    swiglu:  the SwiGLU pair's backward pass (``mosaic.swiglu_backward``), one
-             [swiglu_tile_m, swiglu_tile_n] tile per program (a smaller tile_m where the
-             token count needs one; 64 at least).
+    scale_reduce, swiglu: the backward's cotangent passes of one layer
+             (``mosaic.scale_reduce``) and of a SwiGLU pair (``mosaic.swiglu_backward``), one
+             [*_tile_m, *_tile_n] tile per program (a smaller tile_m where the token count
+             needs one; 64 at least).
     compose: grid over (tokens / compose_tile_m, d_out / compose_tile_n), one warpgroup per
              program; the rank is walked by ``emit_pipeline`` with up to
              ``compose_max_concurrent_steps`` TMA copies in flight, and
@@ -40,17 +41,20 @@ class MosaicConfig:
     compose_tile_n: int = 128
     compose_max_concurrent_steps: int = 2
     compose_wgmma_in_flight: int = 0
+    scale_reduce_tile_m: int = 256
+    scale_reduce_tile_n: int = 32
     swiglu_tile_m: int = 256
     swiglu_tile_n: int = 32
 
     def __post_init__(self):
-        for name in ("compose_tile_m", "compose_tile_n", "swiglu_tile_m"):
+        for name in ("compose_tile_m", "compose_tile_n", "scale_reduce_tile_m", "swiglu_tile_m"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 64 or v % 64 or not _is_pow2(v):
                 raise ValueError(f"{name} must be a power of two and a multiple of 64; got {v!r}")
-        v = self.swiglu_tile_n
-        if not isinstance(v, int) or v < 16 or v > 128 or not _is_pow2(v):
-            raise ValueError(f"swiglu_tile_n must be a power of two from 16 to 128; got {v!r}")
+        for name in ("scale_reduce_tile_n", "swiglu_tile_n"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 16 or v > 128 or not _is_pow2(v):
+                raise ValueError(f"{name} must be a power of two from 16 to 128; got {v!r}")
         v = self.compose_max_concurrent_steps
         if not isinstance(v, int) or v < 1:
             raise ValueError(f"compose_max_concurrent_steps must be a positive int; got {v!r}")
@@ -153,7 +157,7 @@ def _every_shape(tokens: int, d_in: int, d_out: int, rank: int) -> bool:
 #:   r = 16 −0.44 ms, r = 384 −0.52 ms at batch 1 × 2048, r = 16 −1.40 ms at batch 4 × 2048
 #:   (run 115, benchmarks/NOTES.md session 27).
 AUTO_MOSAIC: Mapping[str, ShapePredicate | None] = MappingProxyType(
-    {"compose": None, "swiglu": _every_shape}
+    {"compose": None, "scale_reduce": _every_shape, "swiglu": _every_shape}
 )
 
 IMPLS = ("auto", "xla", "mosaic")
@@ -174,23 +178,31 @@ def current_platform() -> str:
 
 def _mosaic_takes(op: str, shape: tuple[int, int, int, int], dtype) -> bool:
     """Whether ``dora_jax.mosaic`` has a kernel for this op, shape and activation dtype."""
-    if op not in ("compose", "swiglu") or dtype is None:
-        return False
-    from .mosaic import compose_supported, swiglu_supported
+    from . import mosaic
 
+    supported = {
+        "compose": mosaic.compose_supported,
+        "scale_reduce": mosaic.scale_reduce_supported,
+        "swiglu": mosaic.swiglu_supported,
+    }.get(op)
+    if supported is None or dtype is None:
+        return False
     tokens, _, d_out, _ = shape
-    supported = compose_supported if op == "compose" else swiglu_supported
     return supported(tokens, d_out, dtype)
 
 
-def _is_hopper() -> bool:
-    """Every visible GPU is a Hopper (sm90), where the Mosaic kernels' wgmma and TMA exist."""
+def _one_hopper() -> bool:
+    """The process sees exactly one GPU, a Hopper (sm90), where the Mosaic kernels' wgmma and
+    TMA exist. One, because XLA's SPMD partitioner does not partition a Mosaic custom call: in
+    a program sharded over several devices by ``jax.jit`` its operands would be all-gathered
+    to every device (correct, but slower than the XLA path it replaces), and the kernels were
+    measured on one GPU only. Inside ``shard_map`` each device runs its own shard, so
+    ``impl="mosaic"`` there is the explicit choice."""
     try:
         gpus = jax.devices("gpu")
     except RuntimeError:  # no GPU backend
         return False
-    caps = [str(getattr(d, "compute_capability", "")) for d in gpus]
-    return bool(caps) and all(c.startswith("9.") for c in caps)
+    return len(gpus) == 1 and str(getattr(gpus[0], "compute_capability", "")).startswith("9.")
 
 
 def check_impl(impl) -> str:
@@ -210,8 +222,8 @@ def resolve_impl(
     activations of ``dtype``.
 
     "mosaic" runs the op's Mosaic GPU kernel where one exists for the shape and dtype
-    (``dora_jax.mosaic``) and XLA elsewhere; "auto" runs it where ``AUTO_MOSAIC`` says so on
-    a Hopper GPU, else XLA.
+    (``dora_jax.mosaic``) and XLA elsewhere; "auto" runs it where ``AUTO_MOSAIC`` says so in a
+    process that sees one GPU, a Hopper (``_one_hopper``), else XLA.
     """
     check_impl(impl)
     if op not in OPS:
@@ -221,6 +233,6 @@ def resolve_impl(
     if impl == "xla" or platform != "gpu":
         return "xla"
     rule = AUTO_MOSAIC.get(op)
-    if rule is not None and _mosaic_takes(op, shape, dtype) and _is_hopper() and rule(*shape):
+    if rule is not None and _mosaic_takes(op, shape, dtype) and _one_hopper() and rule(*shape):
         return "mosaic"
     return "xla"

@@ -120,6 +120,7 @@ def dora_dense(
         interpret=(platform != "gpu") if interpret is None else bool(interpret),
         chunk_size=chunk_size,
         norm_sharding=norm_sharding,
+        reduce_impl=resolve_impl(impl, "scale_reduce", platform=platform, shape=shape, dtype=x.dtype),
     )
     kernel = kernel if kernel.dtype == x.dtype else kernel.astype(x.dtype)
     y = dora_core(opts, x2, x_d, kernel, lora_a, lora_b, magnitude, bias, base_sq, norm)

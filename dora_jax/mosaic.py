@@ -1,7 +1,9 @@
 """Pallas Mosaic GPU kernels (Hopper: TMA copies, wgmma) for DoRA, and their launchers.
 
-Two kernels: the compose fused into the LoRA product (docs/design.md §6.4), and the backward
-pass of a SwiGLU pair of DoRA layers (``swiglu_backward``, §4.1, at the end of this file).
+Three kernels: the compose fused into the LoRA product (docs/design.md §6.4), and two
+cotangent passes built on one kernel body (``_cotangent_pass``, after the compose): the
+backward's scale-and-reduce of one layer (``scale_reduce``, §4) and of a SwiGLU pair of DoRA
+layers (``swiglu_backward``, §4.1).
 
 The compose:
 
@@ -176,10 +178,10 @@ def compose(
     return call(*args)
 
 
-def _tile_rows(tokens: int, config: MosaicConfig) -> int:
-    """Rows of one ``swiglu_backward`` tile: ``config.swiglu_tile_m``, halved down to 64 until
-    it divides the token count (0: none does)."""
-    tm = config.swiglu_tile_m
+def _tile_rows(tokens: int, tile_m: int) -> int:
+    """Rows of one tile of a cotangent pass (``scale_reduce``, ``swiglu_backward``):
+    ``tile_m``, halved down to 64 until it divides the token count (0: none does)."""
+    tm = tile_m
     while tm >= 64:
         if tokens % tm == 0:
             return tm
@@ -187,14 +189,144 @@ def _tile_rows(tokens: int, config: MosaicConfig) -> int:
     return 0
 
 
-def swiglu_supported(tokens: int, d_out: int, dtype, config: MosaicConfig = DEFAULT_MOSAIC):
-    """Whether ``swiglu_backward`` takes this shape and activation dtype: bf16 or f16, tokens
-    a positive multiple of 64, d_out of ``config.swiglu_tile_n``."""
+def _pass_supported(tokens: int, d_out: int, dtype, tile_m: int, tile_n: int) -> bool:
     return (
         jnp.dtype(dtype) in MOSAIC_DTYPES
         and tokens > 0
-        and _tile_rows(tokens, config) > 0
-        and d_out % config.swiglu_tile_n == 0
+        and _tile_rows(tokens, tile_m) > 0
+        and d_out % tile_n == 0
+    )
+
+
+def scale_reduce_supported(tokens: int, d_out: int, dtype, config: MosaicConfig = DEFAULT_MOSAIC):
+    """Whether ``scale_reduce`` takes this shape and activation dtype: bf16 or f16, tokens a
+    positive multiple of 64, d_out of ``config.scale_reduce_tile_n``."""
+    tm, tn = config.scale_reduce_tile_m, config.scale_reduce_tile_n
+    return _pass_supported(tokens, d_out, dtype, tm, tn)
+
+
+def swiglu_supported(tokens: int, d_out: int, dtype, config: MosaicConfig = DEFAULT_MOSAIC):
+    """Whether ``swiglu_backward`` takes this shape and activation dtype: bf16 or f16, tokens
+    a positive multiple of 64, d_out of ``config.swiglu_tile_n``."""
+    return _pass_supported(tokens, d_out, dtype, config.swiglu_tile_m, config.swiglu_tile_n)
+
+
+def _check_pass_operands(op: str, arrays: dict, supported: bool, tile_n: int):
+    """The [T, N] operands of a cotangent pass share one dtype and shape, which it tiles."""
+    (first, v0), *rest = arrays.items()
+    if any(v.dtype != v0.dtype for _, v in rest):
+        listing = ", ".join(f"{k} {v.dtype}" for k, v in arrays.items())
+        raise ValueError(f"{listing} must match")
+    if any(v.shape != v0.shape for _, v in rest):
+        listing = ", ".join(f"{k} {v.shape}" for k, v in arrays.items())
+        raise ValueError(f"{listing} must have one shape")
+    if not supported:
+        raise ValueError(
+            f"mosaic {op} needs a bf16/f16 [T, N] with T % 64 == 0 and N % {tile_n} == 0; "
+            f"got {v0.dtype} {v0.shape}"
+        )
+
+
+def _cotangent_pass(cotangent, inners, gs, derivative, *, tile_m, tile_n, interpret):
+    """One pass over [T, N] for L layers (``scale_reduce``: L = 1; ``swiglu_backward``: 2):
+
+        dy_l = derivative(cotangent, inners, gs)[l]     (f32 values, already rounded as the
+                                                          unfused program rounds them)
+        returns  g_l ⊙ dy_l   (saturated at ±finfo(dtype).max, in the activation dtype)
+                 Σ_t dy_l ⊙ inner_l                      (f32 [N])
+
+    Each program owns one [tile_m, tile_n] tile: TMA copies of its cotangent and inner tiles
+    and of each g's columns, the arithmetic in f32, each layer's scaled cotangent stored over
+    its inner tile's SMEM, and the tile's column sums written as one row of f32 partials that
+    XLA adds up (T / tile_m rows). ``derivative(ct, inners, gs)`` sees the cotangent and inner
+    tiles in f32 and the g's broadcast to the tile; it returns one dy per layer.
+    """
+    tokens, d_out = cotangent.shape
+    dtype = cotangent.dtype
+    layers = len(inners)
+    tm, tn = _tile_rows(tokens, tile_m), tile_n
+    blocks = tokens // tm
+    item = jnp.dtype(dtype).itemsize
+    big = float(jnp.finfo(dtype).max)
+    f32 = jnp.float32
+    wgmma = plgpu.Layout.WGMMA
+    load = functools.partial(_load, interpret=interpret)
+
+    def kernel(*refs, t_ct, t_in, g_smem, c_smem, barriers):
+        ct_gmem, in_gmem = refs[0], refs[1 : 1 + layers]
+        g_gmem = refs[1 + layers : 1 + 2 * layers]
+        out_gmem = refs[1 + 2 * layers : 1 + 3 * layers]
+        col_gmem = refs[1 + 3 * layers :]
+        i, j = lax.axis_index("m"), lax.axis_index("n")
+        rows, cols = pl.ds(i * tm, tm), pl.ds(j * tn, tn)
+        copies = [(ct_gmem.at[rows, cols], t_ct)]
+        copies += [(src.at[rows, cols], dst) for src, dst in zip(in_gmem, t_in, strict=True)]
+        copies += [(src.at[cols], dst) for src, dst in zip(g_gmem, g_smem, strict=True)]
+        for k, (src, dst) in enumerate(copies):
+            plgpu.copy_gmem_to_smem(src, dst, barriers.at[k])
+        for k in range(len(copies)):
+            plgpu.barrier_wait(barriers.at[k])
+        column = wgmma.reduce(0)
+        gs = [lax.broadcast_in_dim(load(g, column), (tm, tn), [1]) for g in g_smem]
+        inner = [load(t, wgmma).astype(f32) for t in t_in]
+        dys = derivative(load(t_ct, wgmma).astype(f32), inner, gs)
+        for dy, v, g, t, c in zip(dys, inner, gs, t_in, c_smem, strict=True):
+            c[...] = jnp.sum(dy * v, axis=0)
+            t[...] = jnp.clip(dy * g, -big, big).astype(dtype)
+        plgpu.commit_smem()
+        partial = pl.ds(i * d_out + j * tn, tn)
+        for t, c, out, col in zip(t_in, c_smem, out_gmem, col_gmem, strict=True):
+            plgpu.copy_smem_to_gmem(t, out.at[rows, cols])
+            plgpu.copy_smem_to_gmem(c, col.at[partial])
+        plgpu.wait_smem_to_gmem(0)
+
+    tile = functools.partial(plgpu.SMEM, (tm, tn), dtype, transforms=_swizzled(tn, item))
+    vector = functools.partial(plgpu.SMEM, (tn,), f32)
+    scratch = dict(
+        t_ct=tile(),
+        t_in=[tile() for _ in range(layers)],
+        g_smem=[vector() for _ in range(layers)],
+        c_smem=[vector() for _ in range(layers)],
+        barriers=plgpu.Barrier(num_barriers=1 + 2 * layers, num_arrivals=1),
+    )
+    call = plgpu.kernel(
+        kernel,
+        out_type=(
+            *[jax.ShapeDtypeStruct((tokens, d_out), dtype)] * layers,
+            *[jax.ShapeDtypeStruct((blocks * d_out,), f32)] * layers,
+        ),
+        scratch_types=scratch,
+        grid=(blocks, d_out // tn),
+        grid_names=("m", "n"),
+        interpret=_interpret_params() if interpret else None,
+    )
+    outs = call(cotangent, *inners, *(g.astype(f32) for g in gs))
+    scaled, partials = outs[:layers], outs[layers:]
+    return (*scaled, *(p.reshape(blocks, d_out).sum(0) for p in partials))
+
+
+def scale_reduce(
+    dy, saved, g, *, config: MosaicConfig = DEFAULT_MOSAIC, interpret: bool = False
+):
+    """``xla_ops.scale_reduce`` as one Mosaic pass: (g ⊙ dy in dy's dtype, saturated at
+    ±finfo(dtype).max; Σ_t dy ⊙ saved in f32 [N]), reading dy and saved once
+    (``_cotangent_pass``; docs/design.md §4, §6.4).
+
+    dy, saved: [T, N] in one 16-bit dtype; g: [N] (used in f32). The shape must pass
+    ``scale_reduce_supported``.
+    """
+    tokens, d_out = dy.shape
+    tn = config.scale_reduce_tile_n
+    ok = scale_reduce_supported(tokens, d_out, dy.dtype, config)
+    _check_pass_operands("scale_reduce", {"dy": dy, "saved": saved}, ok, tn)
+    return _cotangent_pass(
+        dy,
+        (saved,),
+        (g,),
+        lambda ct, inner, gs: [ct],
+        tile_m=config.scale_reduce_tile_m,
+        tile_n=tn,
+        interpret=interpret,
     )
 
 
@@ -217,96 +349,37 @@ def swiglu_backward(
                  Σ_t dy_gate ⊙ inner_gate, Σ_t dy_up ⊙ inner_up     (f32 [N])
 
     the scale-and-reduce of both layers (``xla_ops.scale_reduce``) with the SwiGLU derivative
-    in front. XLA runs the same work as two or three passes that write the cotangents and read
-    them back (benchmarks/NOTES.md, session 26). Each program owns one [tile_m, tile_n] tile
-    (``swiglu_supported``): TMA copies of its three input tiles and of both g's columns, the
-    arithmetic in f32 (one rounding per cotangent, where XLA's bf16 ops round after each),
-    both scaled cotangents stored over the two inner tiles' SMEM, and the tile's column sums
-    written as one row of f32 partials that XLA adds up (T / tile_m rows).
+    in front (``_cotangent_pass``). XLA runs the same work as two or three passes that write
+    the cotangents and read them back (benchmarks/NOTES.md, session 26). The arithmetic is
+    f32 with one rounding per cotangent, where XLA's bf16 ops round after each.
 
     d_act, inner_gate, inner_up: [T, N] in one 16-bit dtype; g_gate, g_up: [N] (used in f32).
+    The shape must pass ``swiglu_supported``.
     """
     tokens, d_out = d_act.shape
     dtype = d_act.dtype
-    if not (inner_gate.dtype == inner_up.dtype == dtype):
-        raise ValueError(
-            f"d_act {dtype}, inner_gate {inner_gate.dtype} and inner_up {inner_up.dtype} must match"
-        )
-    if not (inner_gate.shape == inner_up.shape == d_act.shape):
-        raise ValueError(
-            f"d_act {d_act.shape}, inner_gate {inner_gate.shape} and inner_up "
-            f"{inner_up.shape} must have one shape"
-        )
-    if not swiglu_supported(tokens, d_out, dtype, config):
-        raise ValueError(
-            f"mosaic swiglu_backward needs a bf16/f16 [T, N] with T % 64 == 0 and "
-            f"N % {config.swiglu_tile_n} == 0; got {dtype} {d_act.shape}"
-        )
-    tm, tn = _tile_rows(tokens, config), config.swiglu_tile_n
-    blocks = tokens // tm
-    item = jnp.dtype(dtype).itemsize
-    big = float(jnp.finfo(dtype).max)
-    f32 = jnp.float32
-    wgmma = plgpu.Layout.WGMMA
+    tn = config.swiglu_tile_n
+    arrays = {"d_act": d_act, "inner_gate": inner_gate, "inner_up": inner_up}
+    _check_pass_operands("swiglu_backward", arrays, swiglu_supported(tokens, d_out, dtype, config), tn)
 
-    load = functools.partial(_load, interpret=interpret)
-
-    def kernel(da_gmem, ig_gmem, iu_gmem, gg_gmem, gu_gmem, og_gmem, ou_gmem, cg_gmem, cu_gmem,
-               *, t_da, t_ig, t_iu, gg_smem, gu_smem, cg_smem, cu_smem, barriers):  # fmt: skip
-        i, j = lax.axis_index("m"), lax.axis_index("n")
-        rows, cols = pl.ds(i * tm, tm), pl.ds(j * tn, tn)
-        copies = ((da_gmem.at[rows, cols], t_da), (ig_gmem.at[rows, cols], t_ig),
-                  (iu_gmem.at[rows, cols], t_iu), (gg_gmem.at[cols], gg_smem),
-                  (gu_gmem.at[cols], gu_smem))  # fmt: skip
-        for k, (src, dst) in enumerate(copies):
-            plgpu.copy_gmem_to_smem(src, dst, barriers.at[k])
-        for k in range(len(copies)):
-            plgpu.barrier_wait(barriers.at[k])
-        column = wgmma.reduce(0)
-        gg = lax.broadcast_in_dim(load(gg_smem, column), (tm, tn), [1])
-        gu = lax.broadcast_in_dim(load(gu_smem, column), (tm, tn), [1])
-        da = load(t_da, wgmma).astype(f32)
-        ig = load(t_ig, wgmma).astype(f32)
-        iu = load(t_iu, wgmma).astype(f32)
-        yg = (gg * ig).astype(dtype).astype(f32)  # the forward's outputs, rounded as there
-        yu = (gu * iu).astype(dtype).astype(f32)
+    def derivative(da, inner, gs):
+        (ig, iu), (gg, gu) = inner, gs
+        yg = (gg * ig).astype(dtype).astype(jnp.float32)  # the forward's outputs, rounded
+        yu = (gu * iu).astype(dtype).astype(jnp.float32)
         sig = 1.0 / (1.0 + jnp.exp(-yg))
-        dyu = (da * (yg * sig)).astype(dtype).astype(f32)
-        dyg = (da * yu * (sig * (1.0 + yg * (1.0 - sig)))).astype(dtype).astype(f32)
-        cg_smem[...] = jnp.sum(dyg * ig, axis=0)
-        cu_smem[...] = jnp.sum(dyu * iu, axis=0)
-        t_ig[...] = jnp.clip(dyg * gg, -big, big).astype(dtype)
-        t_iu[...] = jnp.clip(dyu * gu, -big, big).astype(dtype)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(t_ig, og_gmem.at[rows, cols])
-        plgpu.copy_smem_to_gmem(t_iu, ou_gmem.at[rows, cols])
-        partial = pl.ds(i * d_out + j * tn, tn)
-        plgpu.copy_smem_to_gmem(cg_smem, cg_gmem.at[partial])
-        plgpu.copy_smem_to_gmem(cu_smem, cu_gmem.at[partial])
-        plgpu.wait_smem_to_gmem(0)
+        dyg = (da * yu * (sig * (1.0 + yg * (1.0 - sig)))).astype(dtype).astype(jnp.float32)
+        dyu = (da * (yg * sig)).astype(dtype).astype(jnp.float32)
+        return [dyg, dyu]
 
-    tile = functools.partial(plgpu.SMEM, (tm, tn), dtype, transforms=_swizzled(tn, item))
-    vector = functools.partial(plgpu.SMEM, (tn,), f32)
-    scratch = dict(
-        t_da=tile(), t_ig=tile(), t_iu=tile(),
-        gg_smem=vector(), gu_smem=vector(), cg_smem=vector(), cu_smem=vector(),
-        barriers=plgpu.Barrier(num_barriers=5, num_arrivals=1),
-    )  # fmt: skip
-    call = plgpu.kernel(
-        kernel,
-        out_type=(
-            jax.ShapeDtypeStruct((tokens, d_out), dtype),
-            jax.ShapeDtypeStruct((tokens, d_out), dtype),
-            jax.ShapeDtypeStruct((blocks * d_out,), f32),
-            jax.ShapeDtypeStruct((blocks * d_out,), f32),
-        ),
-        scratch_types=scratch,
-        grid=(blocks, d_out // tn),
-        grid_names=("m", "n"),
-        interpret=_interpret_params() if interpret else None,
+    return _cotangent_pass(
+        d_act,
+        (inner_gate, inner_up),
+        (g_gate, g_up),
+        derivative,
+        tile_m=config.swiglu_tile_m,
+        tile_n=tn,
+        interpret=interpret,
     )
-    dg, du, cg, cu = call(d_act, inner_gate, inner_up, g_gate.astype(f32), g_up.astype(f32))
-    return dg, du, cg.reshape(blocks, d_out).sum(0), cu.reshape(blocks, d_out).sum(0)
 
 
 def _load(ref, layout, interpret: bool):

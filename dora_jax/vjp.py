@@ -74,15 +74,17 @@ _CONTRACT_1 = (((1,), (1,)), ((), ()))  # a·bᵀ without a transpose
 
 @dataclass(frozen=True)
 class Options:
-    """Static (hashable) configuration of one call; the compose's impl is already resolved
-    ("mosaic" or "xla"; the norm and the backward's reduction always run in XLA)."""
+    """Static (hashable) configuration of one call; the impls of the compose and of the
+    backward's scale-and-reduce are already resolved ("mosaic" or "xla"; the norm always runs
+    in XLA)."""
 
     scaling: float
     exact_norm_grad: bool
     compose_impl: str
-    interpret: bool  # run the Mosaic compose in Pallas' GPU interpreter
+    interpret: bool  # run the Mosaic kernels in Pallas' GPU interpreter
     chunk_size: int | None
     norm_sharding: NormSharding | None = None  # the norm as a shard_map (dora_jax.sharding)
+    reduce_impl: str = "xla"  # the backward's scale-and-reduce (``_bwd``)
 
 
 def _norm_parts(opts: Options, kernel, lora_a, lora_b, base_sq):
@@ -208,7 +210,11 @@ def _fwd(opts: Options, x, x_d, kernel, lora_a, lora_b, magnitude, bias, base_sq
 def _bwd(opts: Options, packed, dy):
     if isinstance(dy, SymbolicZero):
         return (None,) * 9
-    dy_g, col = xla_ops.scale_reduce(dy, *saved_and_g(packed))
+    saved, g = saved_and_g(packed)
+    if opts.reduce_impl == "mosaic":
+        dy_g, col = mosaic.scale_reduce(dy, saved, g, interpret=opts.interpret)
+    else:
+        dy_g, col = xla_ops.scale_reduce(dy, saved, g)
     return layer_grads(opts, packed, dy, dy_g, col)
 
 

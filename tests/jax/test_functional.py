@@ -166,7 +166,7 @@ def test_auto_resolves_to_xla_on_cpu():
 def test_auto_table_on_gpu_follows_the_measurements(monkeypatch, hopper):
     from dora_jax import config
 
-    monkeypatch.setattr(config, "_is_hopper", lambda: hopper)
+    monkeypatch.setattr(config, "_one_hopper", lambda: hopper)
 
     def auto(tokens):
         shape = (tokens, 4096, 4096, 384)
@@ -175,13 +175,32 @@ def test_auto_table_on_gpu_follows_the_measurements(monkeypatch, hopper):
             for op in OPS
         }
 
-    # XLA was measured fastest on the H200 for the layer ops (runs 32, 108); the SwiGLU pair's
-    # kernel won the model step at every shape measured (run 115), on Hopper alone.
-    assert {op for op, rule in config.AUTO_MOSAIC.items() if rule is not None} == {"swiglu"}
+    # XLA was measured fastest on the H200 for the compose and the norm (runs 32, 108); the
+    # backward's cotangent passes won the model step at every shape measured (the SwiGLU pair:
+    # run 115; one layer's scale-and-reduce: runs 122-123), with one Hopper GPU alone.
+    kernels = {"scale_reduce", "swiglu"}
+    assert {op for op, rule in config.AUTO_MOSAIC.items() if rule is not None} == kernels
     for tokens in (512, 4096):
-        want = {op: "mosaic" if hopper and op == "swiglu" else "xla" for op in OPS}
+        want = {op: "mosaic" if hopper and op in kernels else "xla" for op in OPS}
         assert auto(tokens) == want
-    assert auto(100)["swiglu"] == "xla"  # no tile of 64 rows
+    assert auto(100)["swiglu"] == auto(100)["scale_reduce"] == "xla"  # no tile of 64 rows
+
+
+def test_auto_picks_no_kernel_with_several_gpus(monkeypatch):
+    """A Mosaic custom call is not partitioned by XLA's SPMD partitioner, so a process that
+    sees several GPUs keeps the XLA path under "auto" (``config._one_hopper``)."""
+    from dora_jax import config
+
+    class Gpu:
+        compute_capability = "9.0"
+
+    monkeypatch.setattr(config.jax, "devices", lambda backend=None: [Gpu()])
+    assert config._one_hopper()
+    monkeypatch.setattr(config.jax, "devices", lambda backend=None: [Gpu(), Gpu()])
+    assert not config._one_hopper()
+    Gpu.compute_capability = "8.0"
+    monkeypatch.setattr(config.jax, "devices", lambda backend=None: [Gpu()])
+    assert not config._one_hopper()
 
 
 IMPL_ERROR = r"impl must be one of \('auto', 'xla', 'mosaic'\); got 'pallas' \(the Triton-backend"

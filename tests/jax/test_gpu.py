@@ -117,6 +117,32 @@ def test_mosaic_swiglu_backward_matches_float64(tokens, d_out, tiles, dtype):
 
 
 @pytest.mark.skipif(not _hopper(), reason="Mosaic GPU kernels need Hopper (sm90)")
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
+@pytest.mark.parametrize(
+    ("tokens", "d_out", "tiles"),
+    [(64, 32, (256, 32)), (192, 96, (256, 32)), (2048, 1024, (256, 32)), (2048, 4096, (128, 64)),
+     (8192, 4096, (256, 32)), (2048, 14336, (64, 128))],
+)  # fmt: skip
+def test_mosaic_scale_reduce_matches_the_xla_pass(tokens, d_out, tiles, dtype):
+    from dora_jax import mosaic
+    from dora_jax.config import MosaicConfig
+
+    from .test_mosaic import check_scale_reduce
+
+    config = MosaicConfig(scale_reduce_tile_m=tiles[0], scale_reduce_tile_n=tiles[1])
+    fn = jax.jit(functools.partial(mosaic.scale_reduce, config=config))
+    check_scale_reduce(fn, tokens, d_out, dtype)
+
+
+@pytest.mark.skipif(not _hopper(), reason="Mosaic GPU kernels need Hopper (sm90)")
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
+def test_xla_compose_with_the_mosaic_scale_reduce_matches_the_spec(monkeypatch, dtype):
+    from .test_mosaic import test_xla_compose_with_the_mosaic_scale_reduce_matches_the_spec as t
+
+    t(monkeypatch, dtype)
+
+
+@pytest.mark.skipif(not _hopper(), reason="Mosaic GPU kernels need Hopper (sm90)")
 @pytest.mark.parametrize(("d_in", "d_out", "r", "tokens"), [(256, 512, 16, 256), (128, 96, 1, 64)])
 def test_mosaic_swiglu_pair_matches_the_spec(d_in, d_out, r, tokens):
     from .test_swiglu import check_fused_pair

@@ -86,7 +86,7 @@ def test_impl_mosaic_resolves_per_op_and_falls_back_to_xla():
     shape = (128, 48, 256, 8)
     got = {op: resolve_impl("mosaic", op, platform="gpu", shape=shape, dtype=jnp.bfloat16)
            for op in ("norm", "compose", "scale_reduce")}  # fmt: skip
-    assert got == {"norm": "xla", "compose": "mosaic", "scale_reduce": "xla"}
+    assert got == {"norm": "xla", "compose": "mosaic", "scale_reduce": "mosaic"}
     odd = (100, 48, 256, 8)
     assert resolve_impl("mosaic", "compose", platform="gpu", shape=odd, dtype="bfloat16") == "xla"
     assert resolve_impl("mosaic", "compose", platform="gpu", shape=shape, dtype="float32") == "xla"
@@ -107,16 +107,16 @@ def test_auto_picks_mosaic_only_on_hopper_where_a_rule_says_so(monkeypatch):
     def auto(shape, dtype="bfloat16"):
         return resolve_impl("auto", "compose", platform="gpu", shape=shape, dtype=dtype)
 
-    monkeypatch.setattr(config, "_is_hopper", lambda: True)
+    monkeypatch.setattr(config, "_one_hopper", lambda: True)
     assert auto(shape) == "mosaic"
     assert auto((64, 48, 256, 8)) != "mosaic"  # the rule says no
     assert auto((100, 48, 256, 8)) != "mosaic"  # the kernel cannot tile it
     assert auto(shape, "float32") != "mosaic"
-    monkeypatch.setattr(config, "_is_hopper", lambda: False)
+    monkeypatch.setattr(config, "_one_hopper", lambda: False)
     assert auto(shape) != "mosaic"
     monkeypatch.undo()
     if jax.default_backend() != "gpu":
-        assert config._is_hopper() is False  # no GPU backend: no error, no Mosaic
+        assert config._one_hopper() is False  # no GPU backend: no error, no Mosaic
 
 
 # f16 with a zero-norm column overflows the naive baseline (m/eps), which leaves the tolerance
@@ -156,3 +156,91 @@ def test_no_tokens_take_the_xla_path():
     a, b = jnp.ones((48, 8), jnp.float32), jnp.ones((8, 128), jnp.float32)
     y = dora_dense(x, k, a, b, jnp.ones(128), 2.0, impl="mosaic")
     assert y.shape == (0, 128) and y.dtype == jnp.bfloat16
+
+
+def reduce_operands(tokens, d_out, dtype, seed=0):
+    """(dy, saved, g) for the scale-and-reduce pass; g is zero at column 3 (m = 0)."""
+    k = jax.random.split(jax.random.key(seed), 3)
+    dy = jax.random.normal(k[0], (tokens, d_out)).astype(dtype)
+    saved = (2 * jax.random.normal(k[1], (tokens, d_out))).astype(dtype)
+    g = (1 + 0.1 * jax.random.normal(k[2], (d_out,))).at[3].set(0.0)
+    return dy, saved, g
+
+
+def check_scale_reduce(scale_reduce, tokens, d_out, dtype):
+    """``scale_reduce`` (the kernel, interpreted or compiled) against ``xla_ops.scale_reduce``
+    and float64: g ⊙ dy bit-identical (the same f32 product and one rounding), the column
+    sums within the XLA pass's error of float64 (shared tolerance rule)."""
+    import numpy as np
+
+    from dora_jax import xla_ops
+    from shared_spec.tolerances import assert_close
+
+    dy, saved, g = reduce_operands(tokens, d_out, dtype)
+    dy_g, col = scale_reduce(dy, saved, g)
+    ref_g, ref_col = jax.jit(xla_ops.scale_reduce)(dy, saved, g)
+    assert dy_g.dtype == dtype and col.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(dy_g, np.float32), np.asarray(ref_g, np.float32))
+    f = functools.partial(np.asarray, dtype=np.float64)
+    exact = (f(dy.astype(jnp.float32)) * f(saved.astype(jnp.float32))).sum(0)
+    assert_close(col, exact, ref_col, machine_eps=float(jnp.finfo(jnp.float32).eps), name="col")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "f16"])
+@pytest.mark.parametrize(("tokens", "d_out"), [(64, 32), (192, 96), (512, 64)])
+def test_scale_reduce_matches_the_xla_pass(tokens, d_out, dtype):
+    check_scale_reduce(functools.partial(mosaic.scale_reduce, interpret=True), tokens, d_out, dtype)
+
+
+def test_scale_reduce_saturates_instead_of_overflowing():
+    dy, saved, g = reduce_operands(64, 32, jnp.float16)
+    saved, g = saved.at[:, 5].set(0), g.at[5].set(1e30)  # a zero-norm column: g = m / eps
+    dy_g, col = mosaic.scale_reduce(dy, saved, g, interpret=True)
+    assert bool(jnp.all(jnp.isfinite(dy_g))) and bool(jnp.all(jnp.isfinite(col)))
+    assert float(jnp.max(jnp.abs(dy_g[:, 5]))) == float(jnp.finfo(jnp.float16).max)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "f16"])
+@pytest.mark.parametrize(
+    "config",
+    [MosaicConfig(), MosaicConfig(scale_reduce_tile_m=64, scale_reduce_tile_n=128)],
+)
+def test_scale_reduce_lowers_for_cuda(config, dtype):
+    dy, saved, g = reduce_operands(512, 256, dtype)
+    fn = jax.jit(functools.partial(mosaic.scale_reduce, config=config))
+    assert "mosaic_gpu" in fn.trace(dy, saved, g).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def test_scale_reduce_refuses_what_it_cannot_tile():
+    assert mosaic.scale_reduce_supported(192, 64, jnp.bfloat16)  # 192 rows: tiles of 64
+    for tokens, d_out, dtype in [(100, 64, "bfloat16"), (64, 48, "bfloat16"), (0, 64, "bfloat16"),
+                                 (64, 64, "float32")]:  # fmt: skip
+        assert not mosaic.scale_reduce_supported(tokens, d_out, dtype)
+    dy, saved, g = reduce_operands(64, 32, jnp.bfloat16)
+    with pytest.raises(ValueError, match="T % 64 == 0"):
+        mosaic.scale_reduce(dy[:60], saved[:60], g)
+    with pytest.raises(ValueError, match="must match"):
+        mosaic.scale_reduce(dy, saved.astype(jnp.float16), g)
+    with pytest.raises(ValueError, match="one shape"):
+        mosaic.scale_reduce(dy, saved[:, :16], g)
+    with pytest.raises(ValueError, match="scale_reduce_tile_m"):
+        MosaicConfig(scale_reduce_tile_m=96)
+    with pytest.raises(ValueError, match="scale_reduce_tile_n"):
+        MosaicConfig(scale_reduce_tile_n=256)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "f16"])
+def test_xla_compose_with_the_mosaic_scale_reduce_matches_the_spec(monkeypatch, dtype):
+    """The pairing ``impl="auto"`` makes on Hopper (XLA compose, saved inner; the Mosaic
+    scale-and-reduce in the backward): forward and every gradient against the spec, the
+    kernel interpreted. A mutated kernel (the column sums dropped) fails it."""
+    from dora_jax import functional
+
+    real = functional.resolve_impl
+
+    def only_the_reduce(impl, op, **kw):
+        return "mosaic" if op == "scale_reduce" and real("mosaic", op, **kw) == "mosaic" else "xla"
+
+    monkeypatch.setattr(functional, "resolve_impl", only_the_reduce)
+    check_case(MOSAIC_CASES[0], dtype, impl="auto")
+    check_case(MOSAIC_CASES[1], dtype, impl="auto")
