@@ -41,8 +41,8 @@ class MosaicConfig:
     compose_tile_n: int = 128
     compose_max_concurrent_steps: int = 2
     compose_wgmma_in_flight: int = 0
-    scale_reduce_tile_m: int = 256
-    scale_reduce_tile_n: int = 32
+    scale_reduce_tile_m: int = 64
+    scale_reduce_tile_n: int = 128
     swiglu_tile_m: int = 256
     swiglu_tile_n: int = 32
 
