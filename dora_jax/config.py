@@ -1,8 +1,8 @@
 """Every tunable of the JAX backend in one place: Mosaic GPU tiles and the ``impl="auto"`` table.
 
 ``AUTO_MOSAIC`` is the decision table behind ``impl="auto"``: an op runs its Mosaic GPU kernel
-only on the shape class where ``benchmarks/bench_jax_layer`` measured it faster than XLA on the
-H200; XLA everywhere else.
+only on the shape class where the H200 measured it faster than XLA (``benchmarks/ab_jax``,
+``bench_jax_layer``), and only with one Hopper GPU in the process; XLA everywhere else.
 """
 
 from __future__ import annotations
@@ -149,13 +149,16 @@ def _every_shape(tokens: int, d_in: int, d_out: int, rank: int) -> bool:
     return True
 
 
-#: Ops with a Mosaic GPU kernel (``dora_jax.mosaic``), and where ``impl="auto"`` picks it on a
-#: Hopper GPU. No entry until the H200 measures it faster than the alternative in one process
-#: (``benchmarks/ab_jax``): None = never chosen by "auto".
+#: Ops with a Mosaic GPU kernel (``dora_jax.mosaic``), and where ``impl="auto"`` picks it with
+#: one Hopper GPU in the process (``_one_hopper``). No entry until the H200 measures it faster
+#: than the alternative in one process (``benchmarks/ab_jax``): None = never chosen by "auto".
 #: - compose: None. XLA's compose is never slower since the base product's barriers (run 108).
 #: - swiglu: every shape. The 8-layer Llama-8B step, one process, fused against unfused:
 #:   r = 16 −0.44 ms, r = 384 −0.52 ms at batch 1 × 2048, r = 16 −1.40 ms at batch 4 × 2048
 #:   (run 115, benchmarks/NOTES.md session 27).
+#: - scale_reduce: every shape. The same step with each layer's scale-and-reduce as the kernel
+#:   against XLA's pass: r = 384 −0.98 ms, r = 16 batch 4 −1.35 ms (runs 122-123; r = 16 batch
+#:   1 −0.33 ms, inside the ±0.4 ms an A/A moves, run 125; benchmarks/NOTES.md session 28).
 AUTO_MOSAIC: Mapping[str, ShapePredicate | None] = MappingProxyType(
     {"compose": None, "scale_reduce": _every_shape, "swiglu": _every_shape}
 )

@@ -49,15 +49,16 @@ def dora_dense(
         activation dtype for the products, which accumulate in acc = promote_types(f32, x's
         dtype); their gradients come back in their own dtypes.
       scaling: the adapter scale s (a Python number: alpha / r, or alpha / sqrt(r)).
-      impl: "xla", "mosaic" (the Mosaic GPU compose where it takes the shape and dtype, XLA
-        elsewhere), or "auto" (the measured ``AUTO_MOSAIC`` table in ``dora_jax.config``).
+      impl: "xla", "mosaic" (the Mosaic GPU compose and backward scale-and-reduce where they
+        take the shape and dtype, XLA elsewhere), or "auto" (the measured ``AUTO_MOSAIC`` table
+        in ``dora_jax.config``, with one Hopper GPU in the process).
       exact_norm_grad: differentiate through the norm too (default: norm detached, as in the
         DoRA paper and PEFT).
       norm: optional precomputed column norm [d_out] (e.g. cached for inference with frozen
         adapters); treated as a constant. Cannot be combined with ``exact_norm_grad``.
       base_sq: optional precomputed ``||K_:j||²`` [d_out] (K is frozen, so it can be cached).
       chunk_size: accumulate the norm's GEMMs over slices of d_in.
-      interpret: run the Mosaic compose in Pallas' GPU interpreter (default: when not on a
+      interpret: run the Mosaic kernels in Pallas' GPU interpreter (default: when not on a
         GPU).
       norm_sharding: a ``dora_jax.sharding.NormSharding`` (the kernel's spec on a mesh): the
         norm then runs as a ``shard_map`` (``sharded_norm_parts``); None (default): the plain
@@ -120,7 +121,9 @@ def dora_dense(
         interpret=(platform != "gpu") if interpret is None else bool(interpret),
         chunk_size=chunk_size,
         norm_sharding=norm_sharding,
-        reduce_impl=resolve_impl(impl, "scale_reduce", platform=platform, shape=shape, dtype=x.dtype),
+        reduce_impl=resolve_impl(
+            impl, "scale_reduce", platform=platform, shape=shape, dtype=x.dtype
+        ),
     )
     kernel = kernel if kernel.dtype == x.dtype else kernel.astype(x.dtype)
     y = dora_core(opts, x2, x_d, kernel, lora_a, lora_b, magnitude, bias, base_sq, norm)

@@ -213,7 +213,7 @@ def swiglu_supported(tokens: int, d_out: int, dtype, config: MosaicConfig = DEFA
 
 def _check_pass_operands(op: str, arrays: dict, supported: bool, tile_n: int):
     """The [T, N] operands of a cotangent pass share one dtype and shape, which it tiles."""
-    (first, v0), *rest = arrays.items()
+    (_, v0), *rest = arrays.items()
     if any(v.dtype != v0.dtype for _, v in rest):
         listing = ", ".join(f"{k} {v.dtype}" for k, v in arrays.items())
         raise ValueError(f"{listing} must match")
@@ -230,10 +230,11 @@ def _check_pass_operands(op: str, arrays: dict, supported: bool, tile_n: int):
 def _cotangent_pass(cotangent, inners, gs, derivative, *, tile_m, tile_n, interpret):
     """One pass over [T, N] for L layers (``scale_reduce``: L = 1; ``swiglu_backward``: 2):
 
-        dy_l = derivative(cotangent, inners, gs)[l]     (f32 values, already rounded as the
-                                                          unfused program rounds them)
-        returns  g_l ⊙ dy_l   (saturated at ±finfo(dtype).max, in the activation dtype)
-                 Σ_t dy_l ⊙ inner_l                      (f32 [N])
+        dy_l     = derivative(cotangent, inners, gs)[l]   f32, rounded as the unfused program
+                                                           rounds it
+        returns    g_l ⊙ dy_l                             saturated at ±finfo(dtype).max, in
+                                                           the activation dtype
+                   Σ_t dy_l ⊙ inner_l                     f32 [N]
 
     Each program owns one [tile_m, tile_n] tile: TMA copies of its cotangent and inner tiles
     and of each g's columns, the arithmetic in f32, each layer's scaled cotangent stored over
@@ -305,9 +306,7 @@ def _cotangent_pass(cotangent, inners, gs, derivative, *, tile_m, tile_n, interp
     return (*scaled, *(p.reshape(blocks, d_out).sum(0) for p in partials))
 
 
-def scale_reduce(
-    dy, saved, g, *, config: MosaicConfig = DEFAULT_MOSAIC, interpret: bool = False
-):
+def scale_reduce(dy, saved, g, *, config: MosaicConfig = DEFAULT_MOSAIC, interpret: bool = False):
     """``xla_ops.scale_reduce`` as one Mosaic pass: (g ⊙ dy in dy's dtype, saturated at
     ±finfo(dtype).max; Σ_t dy ⊙ saved in f32 [N]), reading dy and saved once
     (``_cotangent_pass``; docs/design.md §4, §6.4).
@@ -360,7 +359,9 @@ def swiglu_backward(
     dtype = d_act.dtype
     tn = config.swiglu_tile_n
     arrays = {"d_act": d_act, "inner_gate": inner_gate, "inner_up": inner_up}
-    _check_pass_operands("swiglu_backward", arrays, swiglu_supported(tokens, d_out, dtype, config), tn)
+    _check_pass_operands(
+        "swiglu_backward", arrays, swiglu_supported(tokens, d_out, dtype, config), tn
+    )
 
     def derivative(da, inner, gs):
         (ig, iu), (gg, gu) = inner, gs

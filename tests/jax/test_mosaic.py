@@ -187,13 +187,21 @@ def check_scale_reduce(scale_reduce, tokens, d_out, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "f16"])
-@pytest.mark.parametrize(("tokens", "d_out"), [(64, 32), (192, 96), (512, 64)])
-def test_scale_reduce_matches_the_xla_pass(tokens, d_out, dtype):
-    check_scale_reduce(functools.partial(mosaic.scale_reduce, interpret=True), tokens, d_out, dtype)
+@pytest.mark.parametrize(
+    ("tokens", "d_out", "config"),
+    [
+        (64, 32, MosaicConfig(scale_reduce_tile_n=32)),
+        (192, 96, MosaicConfig(scale_reduce_tile_m=256, scale_reduce_tile_n=32)),
+        (128, 256, MosaicConfig()),
+    ],
+)
+def test_scale_reduce_matches_the_xla_pass(tokens, d_out, config, dtype):
+    fn = functools.partial(mosaic.scale_reduce, config=config, interpret=True)
+    check_scale_reduce(fn, tokens, d_out, dtype)
 
 
 def test_scale_reduce_saturates_instead_of_overflowing():
-    dy, saved, g = reduce_operands(64, 32, jnp.float16)
+    dy, saved, g = reduce_operands(64, 128, jnp.float16)
     saved, g = saved.at[:, 5].set(0), g.at[5].set(1e30)  # a zero-norm column: g = m / eps
     dy_g, col = mosaic.scale_reduce(dy, saved, g, interpret=True)
     assert bool(jnp.all(jnp.isfinite(dy_g))) and bool(jnp.all(jnp.isfinite(col)))
@@ -212,17 +220,17 @@ def test_scale_reduce_lowers_for_cuda(config, dtype):
 
 
 def test_scale_reduce_refuses_what_it_cannot_tile():
-    assert mosaic.scale_reduce_supported(192, 64, jnp.bfloat16)  # 192 rows: tiles of 64
-    for tokens, d_out, dtype in [(100, 64, "bfloat16"), (64, 48, "bfloat16"), (0, 64, "bfloat16"),
-                                 (64, 64, "float32")]:  # fmt: skip
+    assert mosaic.scale_reduce_supported(192, 128, jnp.bfloat16)  # 192 rows: tiles of 64
+    for tokens, d_out, dtype in [(100, 128, "bfloat16"), (64, 96, "bfloat16"),
+                                 (0, 128, "bfloat16"), (64, 128, "float32")]:  # fmt: skip
         assert not mosaic.scale_reduce_supported(tokens, d_out, dtype)
-    dy, saved, g = reduce_operands(64, 32, jnp.bfloat16)
+    dy, saved, g = reduce_operands(64, 128, jnp.bfloat16)
     with pytest.raises(ValueError, match="T % 64 == 0"):
         mosaic.scale_reduce(dy[:60], saved[:60], g)
     with pytest.raises(ValueError, match="must match"):
         mosaic.scale_reduce(dy, saved.astype(jnp.float16), g)
     with pytest.raises(ValueError, match="one shape"):
-        mosaic.scale_reduce(dy, saved[:, :16], g)
+        mosaic.scale_reduce(dy, saved[:, :64], g)
     with pytest.raises(ValueError, match="scale_reduce_tile_m"):
         MosaicConfig(scale_reduce_tile_m=96)
     with pytest.raises(ValueError, match="scale_reduce_tile_n"):
