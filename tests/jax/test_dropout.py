@@ -56,7 +56,27 @@ def _ours(k, s, **kw):
 def test_dropout_matches_spec_with_the_same_mask(name, dtype, exact):
     """Forward and every gradient vs shared_spec's dropout form, x_d built from the same mask
     (the Mosaic compose's fallback to this XLA form: test_mosaic.py)."""
-    d = CASES[name].make(0)
+    check_dropout(CASES[name], dtype, exact, impl="xla")
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16], ids=["f16", "bf16"])
+def test_dropout_with_the_mosaic_scale_reduce_matches_spec(dtype):
+    """impl="mosaic" on a shape the kernels tile: the compose falls back to XLA's dropout form,
+    and the backward's scale-and-reduce runs the Mosaic kernel (interpreted here)."""
+    from dora_jax.functional import resolved_impls
+
+    from .compose_check import MOSAIC_CASES
+
+    case = MOSAIC_CASES[0]
+    shape = (*case.lead, case.d_in)
+    impls = resolved_impls(shape, (case.d_in, case.d_out), case.r, impl="mosaic", dtype=dtype)
+    assert impls["scale_reduce"] == "mosaic"
+    check_dropout(case, dtype, False, impl="mosaic")
+
+
+def check_dropout(case, dtype, exact, *, impl):
+    d = case.make(0)
+    name = case.name
     kernel, lora_a, lora_b = S.to_flax_layout(d.W, d.A, d.B)
     x, k, a, b, m, bias = (_cast(v, dtype) for v in (d.x, kernel, lora_a, lora_b, d.m, d.bias))
     dy, s = _cast(d.dy, dtype), d.scaling
@@ -70,7 +90,7 @@ def test_dropout_matches_spec_with_the_same_mask(name, dtype, exact):
     # dx_d reaches x through x_d = mask·x/(1 − rate)
     ref_dx = ref.dx + np.asarray(mask) / (1.0 - RATE) * ref.dx_dropped
 
-    ours = _ours(k, s, impl="xla", exact_norm_grad=exact)
+    ours = _ours(k, s, impl=impl, exact_norm_grad=exact)
     y, grads = _value_and_vjp(ours, (x, a, b, m, bias), dy)
 
     def naive(x, a, b, m, bias):
