@@ -2,8 +2,9 @@
 
 A SwiGLU MLP (Llama's gate_proj / up_proj) ends its backward, in each DoRA layer, with the
 scale-and-reduce over [T, d_out] (g ⊙ dy and Σ_t dy ⊙ inner: ``xla_ops.scale_reduce``, or
-``mosaic.scale_reduce``) right after the SwiGLU derivative (docs/design.md §4.1). XLA runs that work as two or three passes
-whatever form the backward is written in (benchmarks/NOTES.md, session 26). ``swiglu`` puts
+``mosaic.scale_reduce``) right after the SwiGLU derivative (docs/design.md §4.1). XLA runs
+that work as two or three passes whatever form the backward is written in
+(benchmarks/NOTES.md, session 26). ``swiglu`` puts
 both layers and the activation under one custom_vjp whose backward runs
 ``mosaic.swiglu_backward``: d_act and both layers' saved inner read once, both scaled cotangents
 written once; the GEMMs that follow are each layer's own (``vjp.layer_grads``). The forward is
