@@ -31,6 +31,9 @@ import time
 from benchmarks.bench_model_jax import norm_gemm_bf16x3
 from benchmarks.measure import write_csv
 
+#: A probe with its own command line: ``make gpu`` (benchmarks/run.py) skips it.
+IN_MAKE_GPU = False
+
 #: (name, d_in, d_out) of one Llama-8B decoder layer's adapted projections.
 PROJECTIONS = (
     ("q", 4096, 4096),

@@ -21,6 +21,9 @@ import pathlib
 
 from benchmarks.measure import write_csv
 
+#: A probe with its own command line: ``make gpu`` (benchmarks/run.py) skips it.
+IN_MAKE_GPU = False
+
 #: (d_out, d_in) of the seven projections of a Llama-8B layer, and how many of each.
 LAYER_SHAPES = {(4096, 4096): 2, (1024, 4096): 2, (14336, 4096): 2, (4096, 14336): 1}
 CONFIGS = [

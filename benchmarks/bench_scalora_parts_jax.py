@@ -24,6 +24,9 @@ import pathlib
 
 from benchmarks.measure import jax_time_ms, write_csv
 
+#: A probe with its own command line: ``make gpu`` (benchmarks/run.py) skips it.
+IN_MAKE_GPU = False
+
 FIELDS = ["part", "rank", "merge_rows", "eigh", "layers", "ms"]
 SHAPES = {  # d_in, d_out of the seven projections (Llama-8B)
     "q_proj": (4096, 4096),

@@ -7,6 +7,8 @@ Protocol for benchmark modules: each ``benchmarks/bench_*.py`` defines
 under ``out_dir`` and returns a few summary rows, each a dict with keys
 ``bench``, ``metric``, ``value`` and optionally ``target`` (a string such as
 ``"<= 1.10"``) and ``ok`` (bool or None). This script prints those rows last.
+A module that sets ``IN_MAKE_GPU = False`` (a probe with its own command line, e.g.
+``bench_jax_parts``) is not run here; ``python3 -m benchmarks.<name>`` runs it.
 
     python3 -m benchmarks.run [--only NAME ...] [--skip-tests] [--out DIR]
 """
@@ -32,6 +34,11 @@ def _bench_modules(only):
     if only:
         names = [n for n in names if any(o in n for o in only)]
     return names
+
+
+def in_make_gpu(module) -> bool:
+    """Whether ``make gpu`` runs this bench module (module doc: ``IN_MAKE_GPU``)."""
+    return getattr(module, "IN_MAKE_GPU", True)
 
 
 def _gpu_state(tag: str) -> None:
@@ -79,6 +86,9 @@ def main(argv=None) -> int:
         t0 = time.time()
         try:
             mod = importlib.import_module(f"benchmarks.{name}")
+            if not in_make_gpu(mod):
+                print(f"[{name}] not part of make gpu: python3 -m benchmarks.{name}")
+                continue
             rows += mod.run(out)
         except Exception:
             traceback.print_exc()

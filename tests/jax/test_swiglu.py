@@ -14,6 +14,7 @@ from flax import nnx
 
 import dora_jax
 import shared_spec as S
+from benchmarks.bench_jax_passes import xla_swiglu
 from dora_jax import mosaic
 from dora_jax.config import MosaicConfig, resolve_impl
 from dora_jax.dense import DoraDense
@@ -46,21 +47,10 @@ def float64_pass(d_act, inner_g, inner_u, g_g, g_u, dtype):
     return gg * dyg, gu * dyu, (dyg * ig).sum(0), (dyu * iu).sum(0)
 
 
-def xla_pass(d_act, inner_g, inner_u, g_g, g_u):
-    """The same pass as the unfused layers run it: autodiff of silu·mul in the activation
-    dtype, then each layer's ``xla_ops.scale_reduce``."""
-    from dora_jax import xla_ops
-
-    dt = d_act.dtype
-    yg = (g_g[None, :] * inner_g.astype(jnp.float32)).astype(dt)
-    yu = (g_u[None, :] * inner_u.astype(jnp.float32)).astype(dt)
-    _, pull = jax.vjp(lambda a, b: jax.nn.silu(a) * b, yg, yu)
-    dyg, dyu = pull(d_act)
-    (sg, cg), (su, cu) = (
-        xla_ops.scale_reduce(dyg, inner_g, g_g),
-        xla_ops.scale_reduce(dyu, inner_u, g_u),
-    )
-    return sg, su, cg, cu
+#: The same pass as the unfused layers run it: autodiff of silu·mul in the activation dtype,
+#: then each layer's ``xla_ops.scale_reduce`` (the baseline of the tolerance rule here, and of
+#: the kernel's timing in ``benchmarks/bench_jax_passes``).
+xla_pass = xla_swiglu
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
