@@ -199,8 +199,8 @@ def _one_hopper() -> bool:
     TMA exist. One, because XLA's SPMD partitioner does not partition a Mosaic custom call: in
     a program sharded over several devices by ``jax.jit`` its operands would be all-gathered
     to every device (correct, but slower than the XLA path it replaces), and the kernels were
-    measured on one GPU only. Inside ``shard_map`` each device runs its own shard, so
-    ``impl="mosaic"`` there is the explicit choice."""
+    measured on one GPU only. Inside ``shard_map`` each device would run the kernel on its own
+    shard under ``impl="mosaic"`` (not yet run on several GPUs)."""
     try:
         gpus = jax.devices("gpu")
     except RuntimeError:  # no GPU backend
