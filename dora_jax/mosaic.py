@@ -211,16 +211,24 @@ def swiglu_supported(tokens: int, d_out: int, dtype, config: MosaicConfig = DEFA
     return _pass_supported(tokens, d_out, dtype, config.swiglu_tile_m, config.swiglu_tile_n)
 
 
-def _check_pass_operands(op: str, arrays: dict, supported: bool, tile_n: int):
-    """The [T, N] operands of a cotangent pass share one dtype and shape, which it tiles."""
+def _check_pass_operands(op: str, arrays: dict, vectors: dict, supported, tile_n: int) -> None:
+    """The [T, N] operands of a cotangent pass are 2-D and share one dtype and shape, each g is
+    [N], and the kernel tiles the shape (``supported(tokens, n, dtype)``)."""
     (_, v0), *rest = arrays.items()
+    if any(jnp.ndim(v) != 2 for v in arrays.values()):
+        listing = ", ".join(f"{k} {jnp.shape(v)}" for k, v in arrays.items())
+        raise ValueError(f"mosaic {op} takes 2-D [T, N] arrays; got {listing}")
     if any(v.dtype != v0.dtype for _, v in rest):
         listing = ", ".join(f"{k} {v.dtype}" for k, v in arrays.items())
         raise ValueError(f"{listing} must match")
     if any(v.shape != v0.shape for _, v in rest):
         listing = ", ".join(f"{k} {v.shape}" for k, v in arrays.items())
         raise ValueError(f"{listing} must have one shape")
-    if not supported:
+    tokens, n = v0.shape
+    for name, g in vectors.items():
+        if jnp.shape(g) != (n,):
+            raise ValueError(f"{name} must have shape ({n},) (N of {v0.shape}); got {jnp.shape(g)}")
+    if not supported(tokens, n, v0.dtype):
         raise ValueError(
             f"mosaic {op} needs a bf16/f16 [T, N] with T % 64 == 0 and N % {tile_n} == 0; "
             f"got {v0.dtype} {v0.shape}"
@@ -314,17 +322,20 @@ def scale_reduce(dy, saved, g, *, config: MosaicConfig = DEFAULT_MOSAIC, interpr
     dy, saved: [T, N] in one 16-bit dtype; g: [N] (used in f32). The shape must pass
     ``scale_reduce_supported``.
     """
-    tokens, d_out = dy.shape
-    tn = config.scale_reduce_tile_n
-    ok = scale_reduce_supported(tokens, d_out, dy.dtype, config)
-    _check_pass_operands("scale_reduce", {"dy": dy, "saved": saved}, ok, tn)
+    _check_pass_operands(
+        "scale_reduce",
+        {"dy": dy, "saved": saved},
+        {"g": g},
+        functools.partial(scale_reduce_supported, config=config),
+        config.scale_reduce_tile_n,
+    )
     return _cotangent_pass(
         dy,
         (saved,),
         (g,),
         lambda ct, inner, gs: [ct],
         tile_m=config.scale_reduce_tile_m,
-        tile_n=tn,
+        tile_n=config.scale_reduce_tile_n,
         interpret=interpret,
     )
 
@@ -355,13 +366,14 @@ def swiglu_backward(
     d_act, inner_gate, inner_up: [T, N] in one 16-bit dtype; g_gate, g_up: [N] (used in f32).
     The shape must pass ``swiglu_supported``.
     """
-    tokens, d_out = d_act.shape
-    dtype = d_act.dtype
-    tn = config.swiglu_tile_n
-    arrays = {"d_act": d_act, "inner_gate": inner_gate, "inner_up": inner_up}
     _check_pass_operands(
-        "swiglu_backward", arrays, swiglu_supported(tokens, d_out, dtype, config), tn
+        "swiglu_backward",
+        {"d_act": d_act, "inner_gate": inner_gate, "inner_up": inner_up},
+        {"g_gate": g_gate, "g_up": g_up},
+        functools.partial(swiglu_supported, config=config),
+        config.swiglu_tile_n,
     )
+    dtype = d_act.dtype
 
     def derivative(da, inner, gs):
         (ig, iu), (gg, gu) = inner, gs
@@ -378,7 +390,7 @@ def swiglu_backward(
         (g_gate, g_up),
         derivative,
         tile_m=config.swiglu_tile_m,
-        tile_n=tn,
+        tile_n=config.swiglu_tile_n,
         interpret=interpret,
     )
 

@@ -231,6 +231,10 @@ def test_scale_reduce_refuses_what_it_cannot_tile():
         mosaic.scale_reduce(dy, saved.astype(jnp.float16), g)
     with pytest.raises(ValueError, match="one shape"):
         mosaic.scale_reduce(dy, saved[:, :64], g)
+    with pytest.raises(ValueError, match=r"g must have shape \(128,\)"):
+        mosaic.scale_reduce(dy, saved, g[:64])
+    with pytest.raises(ValueError, match="2-D"):
+        mosaic.scale_reduce(dy[None], saved[None], g)
     with pytest.raises(ValueError, match="scale_reduce_tile_m"):
         MosaicConfig(scale_reduce_tile_m=96)
     with pytest.raises(ValueError, match="scale_reduce_tile_n"):

@@ -107,6 +107,8 @@ def test_kernel_refuses_what_it_cannot_tile():
         mosaic.swiglu_backward(d_act, inner_g.astype(jnp.float16), inner_u, g_g, g_u)
     with pytest.raises(ValueError, match="one shape"):
         mosaic.swiglu_backward(d_act, inner_g, inner_u[:, :16], g_g, g_u)
+    with pytest.raises(ValueError, match=r"g_up must have shape \(32,\)"):
+        mosaic.swiglu_backward(d_act, inner_g, inner_u, g_g, g_u[:16])
 
 
 def test_swiglu_tiles_are_checked():
