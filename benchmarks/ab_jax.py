@@ -38,11 +38,10 @@ import pathlib
 import re
 import statistics
 import sys
-import time
 from collections import defaultdict
 
 from benchmarks import profile_jax as pj
-from benchmarks.measure import write_csv
+from benchmarks.measure import jax_time_rounds, write_csv
 
 TAGS = ("tree", "rev")
 UNKNOWN_OP = dict(opcode="?", kind="", shape="")  # a traced op the program's HLO does not name
@@ -125,25 +124,6 @@ def layer_programs(packages: dict, *, layer: str, kind: str, impl: str = "xla") 
     return out
 
 
-def time_rounds(calls: dict, *, rounds: int, per_round: int, warmup: int = 3) -> dict:
-    """tag -> [median ms of ``per_round`` calls, one per round]; variants take turns."""
-    import jax
-
-    for call in calls.values():
-        for _ in range(warmup):
-            jax.block_until_ready(call())
-    times = {tag: [] for tag in calls}
-    for _ in range(rounds):
-        for tag, call in calls.items():
-            samples = []
-            for _ in range(per_round):
-                t0 = time.perf_counter()
-                jax.block_until_ready(call())
-                samples.append((time.perf_counter() - t0) * 1e3)
-            times[tag].append(statistics.median(samples))
-    return times
-
-
 def profile_by_shape(compiled, call, *, steps: int) -> dict[tuple[str, str, str], float]:
     """(opcode, kind, shape) -> device µs per call of ``compiled`` (``profile_jax``'s trace)."""
     import jax
@@ -151,7 +131,7 @@ def profile_by_shape(compiled, call, *, steps: int) -> dict[tuple[str, str, str]
     hlo = compiled.as_text()
     module = re.search(r"HloModule\s+([\w.\-]+)", hlo)
     on_cpu = jax.default_backend() == "cpu"
-    times = pj.profile_step(
+    times, _ = pj.profile_step(
         call,
         steps=steps,
         module=module.group(1) if module else None,
@@ -228,7 +208,7 @@ def main(argv=None) -> dict:
         label = f"{args.layer} {args.kind}"
         programs = layer_programs(packages, layer=args.layer, kind=args.kind, impl=args.impl)
     calls = {tag: call for tag, (_, call) in programs.items()}
-    times = time_rounds(calls, rounds=args.rounds, per_round=args.calls)
+    times = jax_time_rounds(calls, rounds=args.rounds, per_round=args.calls)
     print(f"tree against rev {commit}")
     for line in report(times, label):
         print(line)

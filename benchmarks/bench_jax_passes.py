@@ -17,6 +17,7 @@ GB/s counts the arrays each pass must read and write once.
 
     python3 -m benchmarks.bench_jax_passes --out benchmarks/results          # on the GPU
     python3 -m benchmarks.bench_jax_passes --tiles 64x128 256x32 128x64      # tile sweep
+    python3 -m benchmarks.bench_jax_passes --tiles 256x32c64 256x128c64      # slabs of 64 rows
     python3 -m benchmarks.bench_jax_passes --tiny                            # CPU smoke
 
 Writes ``jax_passes.csv``: one row per (pass, T, N, variant).
@@ -43,15 +44,30 @@ TINY_SHAPES = ((64, 128),)
 PASSES = ("scale_reduce", "swiglu")
 #: [T, N] arrays each pass reads plus writes (the floor's bytes).
 ARRAYS = {"scale_reduce": 3, "swiglu": 5}
-_TILE = re.compile(r"(\d+)x(\d+)")
+_TILE = re.compile(r"(\d+)x(\d+)(?:c(\d+))?")
 
 
-def parse_tile(text: str) -> tuple[int, int]:
-    """(tile_m, tile_n) from ``MxN``, e.g. ``64x128``."""
+def parse_tile(text: str) -> tuple[int, int, int | None]:
+    """(tile_m, tile_n, chunk_m) from ``MxN`` or ``MxNcC`` (the arithmetic in C-row slabs,
+    the config's ``*_chunk_m``; None if left out), e.g. ``64x128`` or ``256x32c64``."""
     m = _TILE.fullmatch(text)
     if m is None:
-        raise ValueError(f"a tile must look like MxN (e.g. 64x128); got {text!r}")
-    return int(m.group(1)), int(m.group(2))
+        raise ValueError(f"a tile must look like MxN or MxNcC (e.g. 256x32c64); got {text!r}")
+    chunk = m.group(3)
+    return int(m.group(1)), int(m.group(2)), None if chunk is None else int(chunk)
+
+
+def tile_name(tile_m: int, tile_n: int, chunk_m: int | None) -> str:
+    """``parse_tile``'s text for a tile."""
+    return f"{tile_m}x{tile_n}" + ("" if chunk_m is None else f"c{chunk_m}")
+
+
+def tile_config(pass_name: str, tile_m: int, tile_n: int, chunk_m: int | None):
+    """The default MosaicConfig with ``pass_name``'s tile fields replaced."""
+    from dora_jax.config import DEFAULT_MOSAIC
+
+    fields = {"tile_m": tile_m, "tile_n": tile_n, "chunk_m": chunk_m}
+    return dataclasses.replace(DEFAULT_MOSAIC, **{f"{pass_name}_{k}": v for k, v in fields.items()})
 
 
 def operands(tokens: int, n: int, seed: int = 0):
@@ -87,7 +103,8 @@ def xla_swiglu(d_act, inner_g, inner_u, g_g, g_u):
 
 def variants(pass_name: str, tiles, *, interpret: bool) -> dict:
     """name -> (f(cotangent, inner_a, inner_b, g_a, g_b) -> outputs, MosaicConfig or None) for
-    one pass: "xla", and "mosaic_MxN" per kernel tile (the default config's first)."""
+    one pass: "xla", and "mosaic_<tile>" per kernel tile (``tile_name``; the default config's
+    first)."""
     import functools
 
     from dora_jax import mosaic, xla_ops
@@ -95,21 +112,21 @@ def variants(pass_name: str, tiles, *, interpret: bool) -> dict:
 
     if pass_name not in PASSES:
         raise ValueError(f"pass must be one of {PASSES}; got {pass_name!r}")
-    tm0 = getattr(DEFAULT_MOSAIC, f"{pass_name}_tile_m")
-    tn0 = getattr(DEFAULT_MOSAIC, f"{pass_name}_tile_n")
+    default = tuple(
+        getattr(DEFAULT_MOSAIC, f"{pass_name}_{k}") for k in ("tile_m", "tile_n", "chunk_m")
+    )
     if pass_name == "scale_reduce":
         out = {"xla": (lambda ct, ia, ib, ga, gb: xla_ops.scale_reduce(ct, ia, ga), None)}
     else:
         out = {"xla": (xla_swiglu, None)}
-    for tm, tn in dict.fromkeys([(tm0, tn0), *tiles]):
-        tile = {f"{pass_name}_tile_m": tm, f"{pass_name}_tile_n": tn}
-        config = dataclasses.replace(DEFAULT_MOSAIC, **tile)
+    for tile in dict.fromkeys([default, *tiles]):
+        config = tile_config(pass_name, *tile)
         if pass_name == "scale_reduce":
             kernel = functools.partial(mosaic.scale_reduce, config=config, interpret=interpret)
             fn = lambda ct, ia, ib, ga, gb, k=kernel: k(ct, ia, ga)  # noqa: E731
         else:
             fn = functools.partial(mosaic.swiglu_backward, config=config, interpret=interpret)
-        out[f"mosaic_{tm}x{tn}"] = (fn, config)
+        out[f"mosaic_{tile_name(*tile)}"] = (fn, config)
     return out
 
 
@@ -176,7 +193,7 @@ def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tiny", action="store_true", help="small shapes (CPU smoke, interpreted)")
     ap.add_argument("--passes", nargs="+", default=list(PASSES), choices=PASSES)
-    ap.add_argument("--tiles", nargs="*", default=[], help="extra kernel tiles, MxN each")
+    ap.add_argument("--tiles", nargs="*", default=[], help="extra kernel tiles, MxN or MxNcC each")
     ap.add_argument("--calls", type=int, default=50, help="calls per jitted loop")
     ap.add_argument("--reps", type=int, default=7, help="timed loops per variant (median)")
     ap.add_argument("--out", type=pathlib.Path, default=None, help="directory for the CSV")

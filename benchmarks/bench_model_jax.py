@@ -27,7 +27,15 @@ for a fixed adapter), ``inference_cold_ms`` (ours recomputing the norm in every 
 ``grad_ms`` (jitted value-and-grad of the LM loss w.r.t. the adapter parameters),
 ``train_ms`` (one jitted training step: that value-and-grad, then optax AdamW's update of the
 adapters, adapters and optimizer state donated), medians of 10 calls after 3 warm-ups, and
-XLA's compiled temp sizes (``memory_analysis``) for each.
+XLA's compiled temp sizes (``memory_analysis``) for each. Each provider is measured in turn,
+so these rows sit in different stretches of the GPU's clock history (a sustained step runs
+at the card's power cap, ~1.6-1.7 GHz against 1.98 in short bursts: benchmarks/NOTES.md,
+session 29); the training steps are therefore also timed in interleaved rounds once every
+provider of a rank is compiled (``DORA_BENCH_JAX_ROUNDS`` = 8 rounds of 5 steps each, the
+providers taking turns): ``train_rounds_ms`` waits for each step (the median per round),
+``train_loop_ms`` dispatches the round's steps back to back as a training loop does (the
+mean per round), and the training-step ratios are medians of per-round ratios, the target
+on ``train_loop_ms``.
 
     DORA_BENCH_JAX_LAYERS=4 python3 -m benchmarks.run --only model_jax --skip-tests
 """
@@ -39,9 +47,10 @@ import functools
 import math
 import os
 import pathlib
+import statistics
 import traceback
 
-from benchmarks.measure import error_text, log_row, write_csv
+from benchmarks.measure import error_text, log_row, paired_ratio, write_csv
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # share the GPU with torch
 
@@ -85,6 +94,14 @@ def providers() -> list[str]:
     if unknown:
         raise ValueError(f"DORA_BENCH_JAX_PROVIDERS: unknown {unknown}; known: {list(PROVIDERS)}")
     return names or list(PROVIDERS)
+
+
+def rounds() -> int:
+    """``DORA_BENCH_JAX_ROUNDS``: interleaved rounds of the training steps (default 8)."""
+    n = int(os.environ.get("DORA_BENCH_JAX_ROUNDS", "8"))
+    if n < 1:
+        raise ValueError(f"DORA_BENCH_JAX_ROUNDS must be >= 1; got {n}")
+    return n
 
 
 def _tiny() -> bool:
@@ -250,18 +267,21 @@ def train_step(value_and_grad, adapters):
     return train, state
 
 
-def _train_step(value_and_grad, adapters, rest, ids) -> dict:
-    """Time and temp memory of the jitted training step (``train_step``)."""
-    from .measure import jax_temp_bytes, jax_time_ms
+def _train_step(value_and_grad, adapters, rest, ids):
+    """(metrics, call): the jitted training step's time and temp memory, and ``call()``, one
+    step of its compiled program (kept for the interleaved rounds of ``run``)."""
+    from .measure import jax_time_ms
 
     train, state = train_step(value_and_grad, adapters)
-    temp = jax_temp_bytes(train, state[0], state[1], rest, ids)
+    compiled = train.lower(state[0], state[1], rest, ids).compile()
+    analysis = compiled.memory_analysis()
+    temp = None if analysis is None else int(analysis.temp_size_in_bytes)
 
     def call():
-        state[0], state[1], loss = train(state[0], state[1], rest, ids)
+        state[0], state[1], loss = compiled(state[0], state[1], rest, ids)
         return loss
 
-    return {"train_ms": jax_time_ms(call), "train_temp_gib": (temp or 0) / GIB}
+    return {"train_ms": jax_time_ms(call), "train_temp_gib": (temp or 0) / GIB}, call
 
 
 def step_functions(model):
@@ -290,7 +310,8 @@ def step_functions(model):
     return forward, value_and_grad, adapters, rest
 
 
-def _measure(model, ids) -> dict:
+def _measure(model, ids) -> tuple[dict, object]:
+    """(metrics, the training step's call) of one adapted model."""
     import jax
 
     from .measure import jax_temp_bytes, jax_time_ms
@@ -300,19 +321,25 @@ def _measure(model, ids) -> dict:
     grad = jax.jit(value_and_grad)
     res["grad_temp_gib"] = (jax_temp_bytes(grad, adapters, rest, ids) or 0) / GIB
     res["grad_ms"] = jax_time_ms(lambda: grad(adapters, rest, ids))
-    res.update(_train_step(value_and_grad, adapters, rest, ids))
+    train, train_call = _train_step(value_and_grad, adapters, rest, ids)
+    res.update(train)
     if _freeze_norms(model):  # ours: the cold forward first, then the frozen-norm one
         res["inference_cold_ms"] = jax_time_ms(lambda: forward(adapters, rest, ids))
         forward, _, adapters, rest = step_functions(model)
     res["inference_temp_gib"] = (jax_temp_bytes(forward, adapters, rest, ids) or 0) / GIB
     res["inference_ms"] = jax_time_ms(lambda: forward(adapters, rest, ids))
-    return res
+    return res, train_call
 
 
-def _summary(by_name: dict[str, dict], n_layers: int, rank: int) -> list[dict]:
+def _summary(by_name: dict[str, dict], timed: dict, n_layers: int, rank: int) -> list[dict]:
+    """Ratio rows of one rank: inference and grad from each provider's own timing, the
+    training step from the interleaved rounds (``timed``: column of ``ROUND_KINDS`` ->
+    provider -> ms per round), the target on the loop's (steps back to back)."""
     out = []
 
     def ratio(a, b, key):
+        if key in ROUND_KINDS:
+            return paired_ratio(timed.get(key, {}), a, b)
         x, y = by_name.get(a, {}).get(key), by_name.get(b, {}).get(key)
         return None if x is None or y is None or y == 0 else x / y
 
@@ -330,13 +357,15 @@ def _summary(by_name: dict[str, dict], n_layers: int, rank: int) -> list[dict]:
         for key, what in (
             ("inference_ms", "inference"),
             ("grad_ms", "grad step"),
-            ("train_ms", "training step"),
+            ("train_rounds_ms", "training step (rounds, each step waited for)"),
+            ("train_loop_ms", "training step (rounds, steps back to back)"),
         ):
-            train = key == "train_ms"
+            train = key == "train_loop_ms"
+            limit = {"train_loop_ms": TARGETS["train_vs_lora"], "train_rounds_ms": None}
             add(
                 f"{ours} / jnp LoRA bf16, {what} time",
                 ratio(ours, "jnp_lora", key),
-                TARGETS["train_vs_lora" if train else "time_vs_lora"],
+                limit.get(key, TARGETS["time_vs_lora"]),
             )
             add(
                 f"speedup naive jnp DoRA / {ours}, {what}",
@@ -349,6 +378,27 @@ def _summary(by_name: dict[str, dict], n_layers: int, rank: int) -> list[dict]:
             TARGETS["memory_vs_lora"],
         )
     return out
+
+
+#: The interleaved timings of the training step: each step waited for (``train_rounds_ms``),
+#: and steps dispatched back to back as a training loop runs them (``train_loop_ms``).
+ROUND_KINDS = {"train_rounds_ms": False, "train_loop_ms": True}
+
+
+def _train_rounds(calls: dict) -> dict:
+    """{column: provider -> the training step's ms per round} for each of ``ROUND_KINDS``, the
+    providers taking turns (``measure.jax_time_rounds``, ``rounds()`` rounds of 5 calls); {}
+    if the rounds fail."""
+    from .measure import jax_time_rounds
+
+    try:
+        return {
+            column: jax_time_rounds(calls, rounds=rounds(), per_round=5, back_to_back=b2b)
+            for column, b2b in ROUND_KINDS.items()
+        }
+    except Exception:  # the per-provider rows stand without the rounds
+        traceback.print_exc()
+        return {}
 
 
 def run(out_dir: pathlib.Path) -> list[dict]:
@@ -371,7 +421,7 @@ def run(out_dir: pathlib.Path) -> list[dict]:
     ids = jax.random.randint(jax.random.key(0), (BATCH, seq), 0, vocab, dtype=jnp.int32)
     rows, summary = [], []
     for rank in ranks():
-        by_name = {}
+        by_name, calls = {}, {}
         for name in providers():
             label = PROVIDERS[name]
             row = dict(provider=name, label=label, layers=n_layers, rank=rank, error="")
@@ -379,7 +429,8 @@ def run(out_dir: pathlib.Path) -> list[dict]:
                 model = nnx.merge(gdef, state)  # a fresh module tree over the same base arrays
                 adapt(model, name, rank)
                 with norm_gemm_bf16x3(name != "ours_bf16_f32_gram"):
-                    row.update(_measure(model, ids))
+                    metrics, calls[name] = _measure(model, ids)
+                row.update(metrics)
                 by_name[name] = row
             except Exception as e:  # one failing provider must not end the others
                 traceback.print_exc()
@@ -389,7 +440,14 @@ def run(out_dir: pathlib.Path) -> list[dict]:
                 jax.clear_caches()
             rows.append(row)
             log_row("model_jax", name, row)
-        summary += _summary(by_name, n_layers, rank)
+        timed = _train_rounds(calls)
+        calls = None  # the compiled steps and their optimizer states
+        for column, times in timed.items():
+            for name, ts in times.items():
+                by_name[name][column] = statistics.median(ts)
+                print(f"[model_jax] r={rank} {name}: {column} median {statistics.median(ts):.3f}"
+                      f" ms, rounds {[round(t, 3) for t in ts]}")  # fmt: skip
+        summary += _summary(by_name, timed, n_layers, rank)
 
     out_dir = pathlib.Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -402,6 +460,8 @@ def run(out_dir: pathlib.Path) -> list[dict]:
         "inference_cold_ms",
         "grad_ms",
         "train_ms",
+        "train_rounds_ms",
+        "train_loop_ms",
         "inference_temp_gib",
         "grad_temp_gib",
         "train_temp_gib",

@@ -87,6 +87,56 @@ def jax_time_ms(fn: Callable[[], object], *, warmup: int = 3, iters: int = 10) -
     return statistics.median(times)
 
 
+def jax_time_rounds(
+    calls: dict[str, Callable[[], object]],
+    *,
+    rounds: int,
+    per_round: int,
+    warmup: int = 3,
+    back_to_back: bool = False,
+) -> dict[str, list[float]]:
+    """name -> [ms per call in each round]: the calls take turns, round after round, so a
+    drift of the GPU's clocks over the run reaches every one of them alike (benchmarks/NOTES.md,
+    session 29). Each call is a jitted JAX call. By default each call is timed until its
+    result is ready and a round gives the median of its ``per_round`` calls; with
+    ``back_to_back`` a round dispatches its ``per_round`` calls without waiting between them
+    (as a training loop does, the host preparing the next step while the GPU runs this one)
+    and gives the mean, the time until the last result is ready over ``per_round``."""
+    import time
+
+    import jax
+
+    for call in calls.values():
+        for _ in range(warmup):
+            jax.block_until_ready(call())
+    times = {name: [] for name in calls}
+    for _ in range(rounds):
+        for name, call in calls.items():
+            if back_to_back:
+                t0 = time.perf_counter()
+                for _ in range(per_round):
+                    out = call()
+                jax.block_until_ready(out)
+                times[name].append((time.perf_counter() - t0) * 1e3 / per_round)
+                continue
+            samples = []
+            for _ in range(per_round):
+                t0 = time.perf_counter()
+                jax.block_until_ready(call())
+                samples.append((time.perf_counter() - t0) * 1e3)
+            times[name].append(statistics.median(samples))
+    return times
+
+
+def paired_ratio(times: dict[str, list[float]], num: str, den: str) -> float | None:
+    """The median over rounds of ``times[num][k] / times[den][k]`` (``jax_time_rounds``'
+    rounds); None if either is missing."""
+    a, b = times.get(num), times.get(den)
+    if not a or not b:
+        return None
+    return statistics.median(x / y for x, y in zip(a, b, strict=True))
+
+
 def jax_temp_bytes(jitted, *args) -> int | None:
     """XLA's compiled temporary buffer size for ``jitted(*args)`` (None if not reported)."""
     analysis = jitted.lower(*args).compile().memory_analysis()

@@ -16,9 +16,17 @@ graphed step hides, and only the device time per op is the comparable number.
         --out benchmarks/results                                # on the GPU
     python3 -m benchmarks.profile_jax --tiny --steps 2           # CPU smoke (host thunks)
 
-Writes ``profile_jax.csv`` (provider, rank, op, opcode, kind, shape, kernels and µs per step)
-and ``profile_jax_<provider>_r<rank>.hlo.txt``; prints per provider the device time per step,
-its top ops, and per (opcode, kind) what each provider spends beyond the first one.
+``--programs grad train`` profiles the value-and-grad alone beside the training step (each
+from its own compile), to see what the optimizer's program adds: the report lists every
+program's difference against the first one of its rank.
+
+Each op also gets the device's idle time just before its kernels (``idle_before``): where the
+GPU waited for the host, which a step's device time alone cannot show.
+
+Writes ``profile_jax.csv`` (provider, program, rank, op, opcode, kind, shape, kernels, µs and
+idle µs per step) and ``profile_jax_<provider>_r<rank>[_grad].hlo.txt``; prints per provider the
+device time per step, its top ops, and per (opcode, kind) what each provider spends beyond the
+first one.
 """
 
 from __future__ import annotations
@@ -81,8 +89,39 @@ def device_op_times(profile, *, module: str | None, device_prefix: str = "/devic
     return {k: (v[0], v[1]) for k, v in out.items()}
 
 
+def idle_before(profile, *, module: str | None, device_prefix: str = "/device:") -> dict:
+    """HLO op name -> ns the device sat idle just before that op's kernels started, summed:
+    on each plane whose name starts with ``device_prefix``, the events tagged ``hlo_op`` (of
+    ``module``, if given) in start order, and for each the time since the latest end of any
+    event before it. An op with much idle before it waited for the host to launch it (the
+    first op of each step carries the host's dispatch of the step)."""
+    out = defaultdict(float)
+    for plane in profile.planes:
+        if not plane.name.startswith(device_prefix):
+            continue
+        events = []
+        for line in plane.lines:
+            for event in line.events:
+                stats = dict(event.stats)
+                op = stats.get("hlo_op")
+                if op is None:
+                    continue
+                if module is not None and module not in str(stats.get("hlo_module", "")):
+                    continue
+                events.append((float(event.start_ns), float(event.duration_ns), str(op)))
+        events.sort()
+        busy_until = None
+        for start, duration, op in events:
+            if busy_until is not None and start > busy_until:
+                out[op] += start - busy_until
+            end = start + duration
+            busy_until = end if busy_until is None else max(busy_until, end)
+    return dict(out)
+
+
 def profile_step(call, *, steps: int, warmup: int = 2, module: str | None, device_prefix: str):
-    """(op -> (kernels, ns) summed over ``steps`` calls of ``call``, which returns a JAX value)."""
+    """(op -> (kernels, ns), op -> idle ns before it) summed over ``steps`` calls of ``call``,
+    which returns a JAX value (``device_op_times``, ``idle_before``)."""
     import glob
 
     import jax
@@ -96,13 +135,29 @@ def profile_step(call, *, steps: int, warmup: int = 2, module: str | None, devic
                 jax.block_until_ready(call())
         (path,) = glob.glob(f"{tmp}/**/*.xplane.pb", recursive=True)
         profile = ProfileData.from_file(path)
-        return device_op_times(profile, module=module, device_prefix=device_prefix)
+        return (
+            device_op_times(profile, module=module, device_prefix=device_prefix),
+            idle_before(profile, module=module, device_prefix=device_prefix),
+        )
+
+
+#: The jitted programs a profile can take: the training step (value-and-grad, then AdamW) and
+#: the value-and-grad alone (``bench_model_jax``'s grad_ms row).
+PROGRAMS = ("train", "grad")
 
 
 def provider_rows(
-    name: str, rank: int, *, layers: int, steps: int, tiny: bool, out: pathlib.Path | None
+    name: str,
+    rank: int,
+    *,
+    layers: int,
+    steps: int,
+    tiny: bool,
+    out: pathlib.Path | None,
+    program: str = "train",
 ):
-    """Profile one provider's training step; rows per HLO op (µs and kernels per step)."""
+    """Profile one provider's ``program`` (``PROGRAMS``); rows per HLO op (µs and kernels per
+    step)."""
     import jax
     import jax.numpy as jnp
 
@@ -114,21 +169,27 @@ def provider_rows(
     bm.adapt(model, name, rank)
     with bm.norm_gemm_bf16x3(name != "ours_bf16_f32_gram"):
         _, value_and_grad, adapters, rest = bm.step_functions(model)
-        train, state = bm.train_step(value_and_grad, adapters)
-        compiled = train.lower(state[0], state[1], rest, ids).compile()
+        if program == "train":
+            train, state = bm.train_step(value_and_grad, adapters)
+            compiled = train.lower(state[0], state[1], rest, ids).compile()
+        else:
+            compiled = jax.jit(value_and_grad).lower(adapters, rest, ids).compile()
     hlo = compiled.as_text()
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
-        (out / f"profile_jax_{name}_r{rank}.hlo.txt").write_text(hlo)
+        suffix = "" if program == "train" else f"_{program}"
+        (out / f"profile_jax_{name}_r{rank}{suffix}.hlo.txt").write_text(hlo)
     module = re.search(r"HloModule\s+([\w.\-]+)", hlo)
 
     def call():
+        if program == "grad":
+            return compiled(adapters, rest, ids)[0]
         state[0], state[1], loss = compiled(state[0], state[1], rest, ids)
         return loss
 
     step_ms = jax_time_ms(call)
     on_cpu = jax.default_backend() == "cpu"
-    times = profile_step(
+    times, idle = profile_step(
         call,
         steps=steps,
         module=module.group(1) if module else None,
@@ -141,6 +202,7 @@ def provider_rows(
         rows.append(
             dict(
                 provider=name,
+                program=program,
                 rank=rank,
                 layers=layers,
                 step_ms=step_ms,
@@ -148,38 +210,57 @@ def provider_rows(
                 **info,
                 kernels_per_step=kernels / steps,
                 us_per_step=ns / steps / 1e3,
+                idle_before_us_per_step=idle.get(op, 0.0) / steps / 1e3,
             )
         )
     return rows
 
 
-def by_kind(rows: list[dict]) -> dict[tuple[str, str], float]:
-    """µs per step summed per (opcode, kind)."""
+def by_kind(rows: list[dict], key: str = "us_per_step") -> dict[tuple[str, str], float]:
+    """µs per step (``key``: device time, or idle before) summed per (opcode, kind)."""
     out = defaultdict(float)
     for row in rows:
-        out[(row["opcode"], row["kind"])] += row["us_per_step"]
+        out[(row["opcode"], row["kind"])] += row.get(key, 0.0)
     return dict(out)
 
 
+def _label(row: dict) -> str:
+    """A row's provider, with its program unless that is the training step."""
+    program = row.get("program", "train")
+    return row["provider"] if program == "train" else f"{row['provider']} ({program})"
+
+
 def report(rows: list[dict], *, top: int = 12) -> str:
-    """A text summary: device µs per step per provider and rank, each one's top ops, and per
-    (opcode, kind) the difference of every provider against the first of its rank."""
+    """A text summary: device µs per step per provider (and program) and rank, each one's top
+    ops, and per (opcode, kind) the difference of every one against the first of its rank."""
     lines = []
     for rank in sorted({r["rank"] for r in rows}):
         mine = [r for r in rows if r["rank"] == rank]
-        names = list(dict.fromkeys(r["provider"] for r in mine))
-        kinds = {n: by_kind([r for r in mine if r["provider"] == n]) for n in names}
+        names = list(dict.fromkeys(_label(r) for r in mine))
+        kinds = {n: by_kind([r for r in mine if _label(r) == n]) for n in names}
         for n in names:
-            ops = [r for r in mine if r["provider"] == n]
+            ops = [r for r in mine if _label(r) == n]
             total = sum(r["us_per_step"] for r in ops)
             kernels = sum(r["kernels_per_step"] for r in ops)
+            idle = sum(r.get("idle_before_us_per_step", 0.0) for r in ops)
             lines.append(f"r={rank} {n}: {total:.1f} us device time per step, {kernels:.0f} "
-                         f"kernels; step wall time {ops[0]['step_ms']:.2f} ms")  # fmt: skip
+                         f"kernels, {idle:.1f} us idle between them; step wall time "
+                         f"{ops[0]['step_ms']:.2f} ms")  # fmt: skip
             for r in ops[:top]:
                 what = f"{r['op']}  {r['opcode']} {r['kind']}  {r['shape'][:60]}"
                 lines.append(
                     f"    {r['us_per_step']:9.1f} us  x{r['kernels_per_step']:.0f}  {what}"
                 )
+            if not any("idle_before_us_per_step" in r for r in ops):
+                continue
+            waits = sorted(ops, key=lambda r: -r["idle_before_us_per_step"])[:top]
+            lines.append(f"  r={rank} {n}, idle before, by op (and by (opcode, kind)):")
+            for r in waits:
+                what = f"{r['op']}  {r['opcode']} {r['kind']}  {r['shape'][:60]}"
+                lines.append(f"    {r['idle_before_us_per_step']:9.1f} us idle before  {what}")
+            for k, v in sorted(by_kind(ops, "idle_before_us_per_step").items(),
+                               key=lambda kv: -kv[1])[:6]:  # fmt: skip
+                lines.append(f"    {v:9.1f} us idle before  {k[0]} {k[1]}")
         ref = names[0]
         for n in names[1:]:
             lines.append(f"r={rank} {n} - {ref}, us per step by (opcode, kind):")
@@ -197,6 +278,8 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--ranks", type=int, nargs="+", default=[16])
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--steps", type=int, default=5, help="profiled steps (after 2 warm-ups)")
+    ap.add_argument("--programs", nargs="+", choices=PROGRAMS, default=["train"],
+                    help="which jitted programs to profile, in report order")  # fmt: skip
     ap.add_argument("--tiny", action="store_true", help="the small model (CPU smoke)")
     ap.add_argument("--out", type=pathlib.Path, default=None)
     args = ap.parse_args(argv)
@@ -210,8 +293,9 @@ def main(argv=None) -> list[dict]:
     rows = []
     for rank in args.ranks:
         for name in args.providers:
-            rows += provider_rows(name, rank, layers=args.layers, steps=args.steps,
-                                  tiny=args.tiny, out=args.out)  # fmt: skip
+            for program in args.programs:
+                rows += provider_rows(name, rank, layers=args.layers, steps=args.steps,
+                                      tiny=args.tiny, out=args.out, program=program)  # fmt: skip
     print(report(rows), flush=True)
     if args.out is not None:
         write_csv(args.out / "profile_jax.csv", rows)

@@ -27,7 +27,9 @@ class MosaicConfig:
     scale_reduce, swiglu: the backward's cotangent passes of one layer
              (``mosaic.scale_reduce``) and of a SwiGLU pair (``mosaic.swiglu_backward``), one
              [*_tile_m, *_tile_n] tile per program (a smaller tile_m where the token count
-             needs one; 64 at least).
+             needs one; 64 at least), its arithmetic in slabs of ``*_chunk_m`` rows (None:
+             the whole tile; a multiple of 64 up to tile_m), which bounds the registers a
+             thread needs by the slab instead of the tile.
     compose: grid over (tokens / compose_tile_m, d_out / compose_tile_n), one warpgroup per
              program; the rank is walked by ``emit_pipeline`` with up to
              ``compose_max_concurrent_steps`` TMA copies in flight, and
@@ -45,6 +47,8 @@ class MosaicConfig:
     scale_reduce_tile_n: int = 128
     swiglu_tile_m: int = 256
     swiglu_tile_n: int = 32
+    scale_reduce_chunk_m: int | None = None
+    swiglu_chunk_m: int | None = None
 
     def __post_init__(self):
         for name in ("compose_tile_m", "compose_tile_n", "scale_reduce_tile_m", "swiglu_tile_m"):
@@ -55,6 +59,14 @@ class MosaicConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or v < 16 or v > 128 or not _is_pow2(v):
                 raise ValueError(f"{name} must be a power of two from 16 to 128; got {v!r}")
+        for op in ("scale_reduce", "swiglu"):
+            v, tile = getattr(self, f"{op}_chunk_m"), getattr(self, f"{op}_tile_m")
+            if v is None:
+                continue
+            if not isinstance(v, int) or isinstance(v, bool) or v < 64 or not _is_pow2(v):
+                raise ValueError(f"{op}_chunk_m must be None or a power of two >= 64; got {v!r}")
+            if v > tile:
+                raise ValueError(f"{op}_chunk_m={v} must not exceed {op}_tile_m={tile}")
         v = self.compose_max_concurrent_steps
         if not isinstance(v, int) or v < 1:
             raise ValueError(f"compose_max_concurrent_steps must be a positive int; got {v!r}")

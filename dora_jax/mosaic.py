@@ -1,7 +1,7 @@
 """Pallas Mosaic GPU kernels (Hopper: TMA copies, wgmma) for DoRA, and their launchers.
 
 Three kernels: the compose fused into the LoRA product (docs/design.md §6.4), and two
-cotangent passes built on one kernel body (``_cotangent_pass``, after the compose): the
+cotangent passes built on one kernel body (``cotangent_kernel``, after the compose): the
 backward's scale-and-reduce of one layer (``scale_reduce``, §4) and of a SwiGLU pair of DoRA
 layers (``swiglu_backward``, §4.1).
 
@@ -235,8 +235,26 @@ def _check_pass_operands(op: str, arrays: dict, vectors: dict, supported, tile_n
         )
 
 
-def _cotangent_pass(cotangent, inners, gs, derivative, *, tile_m, tile_n, interpret):
-    """One pass over [T, N] for L layers (``scale_reduce``: L = 1; ``swiglu_backward``: 2):
+def _cotangent_pass(op, cotangent, inners, gs, *, config, interpret):
+    """The cotangent pass ``op`` (``pass_kernel``) with its column-sum partials added up:
+    (g_l ⊙ dy_l for each layer, then Σ_t dy_l ⊙ inner_l for each layer)."""
+    tokens, d_out = cotangent.shape
+    layers = len(inners)
+    call, blocks = pass_kernel(
+        op, tokens, d_out, cotangent.dtype, config=config, interpret=interpret
+    )
+    outs = call(cotangent, *inners, *(g.astype(jnp.float32) for g in gs))
+    scaled, partials = outs[:layers], outs[layers:]
+    return (*scaled, *(p.reshape(blocks, d_out).sum(0) for p in partials))
+
+
+def cotangent_kernel(
+    tokens, d_out, dtype, layers, derivative, *, tile_m, tile_n, chunk_m=None, interpret=False
+):
+    """(kernel, blocks): the Mosaic kernel of one pass over [T, N] for L layers
+    (``scale_reduce``: L = 1; ``swiglu_backward``: 2), a function of (cotangent, *inners, *gs)
+    with the g's in f32, and its number of token tiles. Alone (no XLA op around it) it is
+    what ``plgpu.as_torch_kernel`` takes (``benchmarks/ncu_mosaic_pass.py``). The pass:
 
         dy_l     = derivative(cotangent, inners, gs)[l]   f32, rounded as the unfused program
                                                            rounds it
@@ -247,13 +265,16 @@ def _cotangent_pass(cotangent, inners, gs, derivative, *, tile_m, tile_n, interp
     Each program owns one [tile_m, tile_n] tile: TMA copies of its cotangent and inner tiles
     and of each g's columns, the arithmetic in f32, each layer's scaled cotangent stored over
     its inner tile's SMEM, and the tile's column sums written as one row of f32 partials that
-    XLA adds up (T / tile_m rows). ``derivative(ct, inners, gs)`` sees the cotangent and inner
-    tiles in f32 and the g's broadcast to the tile; it returns one dy per layer.
+    XLA adds up (T / tile_m rows). The arithmetic walks the tile in slabs of ``chunk_m`` rows
+    (None: the whole tile at once), so the registers hold one slab of every operand and not
+    the tile: a 256-row tile held whole takes all 255 registers a thread has and spills
+    (run 134). ``derivative(ct, inners, gs)`` sees one slab of the cotangent and inner tiles
+    in f32 and the g's broadcast to it; it returns one dy per layer. The kernel's outputs:
+    each layer's scaled cotangent [T, N], then each layer's partials [blocks · N].
     """
-    tokens, d_out = cotangent.shape
-    dtype = cotangent.dtype
-    layers = len(inners)
+    dtype = jnp.dtype(dtype)
     tm, tn = _tile_rows(tokens, tile_m), tile_n
+    slab = tm if chunk_m is None else min(chunk_m, tm)
     blocks = tokens // tm
     item = jnp.dtype(dtype).itemsize
     big = float(jnp.finfo(dtype).max)
@@ -276,12 +297,18 @@ def _cotangent_pass(cotangent, inners, gs, derivative, *, tile_m, tile_n, interp
         for k in range(len(copies)):
             plgpu.barrier_wait(barriers.at[k])
         column = wgmma.reduce(0)
-        gs = [lax.broadcast_in_dim(load(g, column), (tm, tn), [1]) for g in g_smem]
-        inner = [load(t, wgmma).astype(f32) for t in t_in]
-        dys = derivative(load(t_ct, wgmma).astype(f32), inner, gs)
-        for dy, v, g, t, c in zip(dys, inner, gs, t_in, c_smem, strict=True):
-            c[...] = jnp.sum(dy * v, axis=0)
-            t[...] = jnp.clip(dy * g, -big, big).astype(dtype)
+        gs = [lax.broadcast_in_dim(load(g, column), (slab, tn), [1]) for g in g_smem]
+        sums = [None] * layers
+        for k in range(tm // slab):
+            part = (lambda t: t) if slab == tm else (lambda t, k=k: t.at[pl.ds(k * slab, slab)])
+            inner = [load(part(t), wgmma).astype(f32) for t in t_in]
+            dys = derivative(load(part(t_ct), wgmma).astype(f32), inner, gs)
+            for l, (dy, v, g, t) in enumerate(zip(dys, inner, gs, t_in, strict=True)):
+                col_sum = jnp.sum(dy * v, axis=0)
+                sums[l] = col_sum if sums[l] is None else sums[l] + col_sum
+                part(t)[...] = jnp.clip(dy * g, -big, big).astype(dtype)
+        for c, total in zip(c_smem, sums, strict=True):
+            c[...] = total
         plgpu.commit_smem()
         partial = pl.ds(i * d_out + j * tn, tn)
         for t, c, out, col in zip(t_in, c_smem, out_gmem, col_gmem, strict=True):
@@ -309,15 +336,13 @@ def _cotangent_pass(cotangent, inners, gs, derivative, *, tile_m, tile_n, interp
         grid_names=("m", "n"),
         interpret=_interpret_params() if interpret else None,
     )
-    outs = call(cotangent, *inners, *(g.astype(f32) for g in gs))
-    scaled, partials = outs[:layers], outs[layers:]
-    return (*scaled, *(p.reshape(blocks, d_out).sum(0) for p in partials))
+    return call, blocks
 
 
 def scale_reduce(dy, saved, g, *, config: MosaicConfig = DEFAULT_MOSAIC, interpret: bool = False):
     """``xla_ops.scale_reduce`` as one Mosaic pass: (g ⊙ dy in dy's dtype, saturated at
     ±finfo(dtype).max; Σ_t dy ⊙ saved in f32 [N]), reading dy and saved once
-    (``_cotangent_pass``; docs/design.md §4, §6.4).
+    (``cotangent_kernel``; docs/design.md §4, §6.4).
 
     dy, saved: [T, N] in one 16-bit dtype; g: [N] (used in f32). The shape must pass
     ``scale_reduce_supported``.
@@ -329,15 +354,7 @@ def scale_reduce(dy, saved, g, *, config: MosaicConfig = DEFAULT_MOSAIC, interpr
         functools.partial(scale_reduce_supported, config=config),
         config.scale_reduce_tile_n,
     )
-    return _cotangent_pass(
-        dy,
-        (saved,),
-        (g,),
-        lambda ct, inner, gs: [ct],
-        tile_m=config.scale_reduce_tile_m,
-        tile_n=config.scale_reduce_tile_n,
-        interpret=interpret,
-    )
+    return _cotangent_pass("scale_reduce", dy, (saved,), (g,), config=config, interpret=interpret)
 
 
 def swiglu_backward(
@@ -359,7 +376,7 @@ def swiglu_backward(
                  Σ_t dy_gate ⊙ inner_gate, Σ_t dy_up ⊙ inner_up     (f32 [N])
 
     the scale-and-reduce of both layers (``xla_ops.scale_reduce``) with the SwiGLU derivative
-    in front (``_cotangent_pass``). XLA runs the same work as two or three passes that write
+    in front (``cotangent_kernel``). XLA runs the same work as two or three passes that write
     the cotangents and read them back (benchmarks/NOTES.md, session 26). The arithmetic is
     f32 with one rounding per cotangent, where XLA's bf16 ops round after each.
 
@@ -373,26 +390,51 @@ def swiglu_backward(
         functools.partial(swiglu_supported, config=config),
         config.swiglu_tile_n,
     )
-    dtype = d_act.dtype
-
-    def derivative(da, inner, gs):
-        (ig, iu), (gg, gu) = inner, gs
-        yg = (gg * ig).astype(dtype).astype(jnp.float32)  # the forward's outputs, rounded
-        yu = (gu * iu).astype(dtype).astype(jnp.float32)
-        sig = 1.0 / (1.0 + jnp.exp(-yg))
-        dyg = (da * yu * (sig * (1.0 + yg * (1.0 - sig)))).astype(dtype).astype(jnp.float32)
-        dyu = (da * (yg * sig)).astype(dtype).astype(jnp.float32)
-        return [dyg, dyu]
-
     return _cotangent_pass(
-        d_act,
-        (inner_gate, inner_up),
-        (g_gate, g_up),
-        derivative,
-        tile_m=config.swiglu_tile_m,
-        tile_n=config.swiglu_tile_n,
-        interpret=interpret,
+        "swiglu", d_act, (inner_gate, inner_up), (g_gate, g_up), config=config, interpret=interpret
     )
+
+
+def _identity(ct, inners, gs):
+    """The one-layer pass's derivative: dy is the cotangent."""
+    return [ct]
+
+
+def _swiglu_derivative(da, inners, gs, *, dtype):
+    """The SwiGLU pair's dy_gate and dy_up from d_act (``swiglu_backward``), each rounded to
+    ``dtype`` as the unfused program rounds it."""
+    (ig, iu), (gg, gu) = inners, gs
+    yg = (gg * ig).astype(dtype).astype(jnp.float32)  # the forward's outputs, rounded
+    yu = (gu * iu).astype(dtype).astype(jnp.float32)
+    sig = 1.0 / (1.0 + jnp.exp(-yg))
+    dyg = (da * yu * (sig * (1.0 + yg * (1.0 - sig)))).astype(dtype).astype(jnp.float32)
+    dyu = (da * (yg * sig)).astype(dtype).astype(jnp.float32)
+    return [dyg, dyu]
+
+
+#: The cotangent passes by op name (also the prefix of their MosaicConfig tile fields):
+#: (layers, the derivative for an activation dtype).
+PASSES = {
+    "scale_reduce": (1, lambda dtype: _identity),
+    "swiglu": (2, lambda dtype: functools.partial(_swiglu_derivative, dtype=dtype)),
+}
+
+
+def pass_kernel(
+    op: str, tokens: int, d_out: int, dtype, *, config: MosaicConfig = DEFAULT_MOSAIC,
+    interpret: bool = False,
+):  # fmt: skip
+    """(kernel, blocks) of the cotangent pass ``op`` ("scale_reduce" or "swiglu") at [T, N]
+    with ``config``'s tiles: ``cotangent_kernel``'s raw kernel, as ``scale_reduce`` and
+    ``swiglu_backward`` run it (for profiling it alone)."""
+    if op not in PASSES:
+        raise ValueError(f"op must be one of {sorted(PASSES)}; got {op!r}")
+    layers, derivative = PASSES[op]
+    return cotangent_kernel(
+        tokens, d_out, dtype, layers, derivative(jnp.dtype(dtype)),
+        tile_m=getattr(config, f"{op}_tile_m"), tile_n=getattr(config, f"{op}_tile_n"),
+        chunk_m=getattr(config, f"{op}_chunk_m"), interpret=interpret,
+    )  # fmt: skip
 
 
 def _load(ref, layout, interpret: bool):

@@ -11,7 +11,9 @@ from benchmarks import bench_jax_passes as bp
 
 
 def test_tiles_parse_and_bad_ones_fail():
-    assert bp.parse_tile("64x128") == (64, 128)
+    assert bp.parse_tile("64x128") == (64, 128, None)
+    assert bp.parse_tile("256x32c64") == (256, 32, 64)
+    assert bp.tile_name(256, 32, 64) == "256x32c64" and bp.tile_name(64, 128, None) == "64x128"
     with pytest.raises(ValueError, match="MxN"):
         bp.parse_tile("64-128")
     with pytest.raises(SystemExit):
@@ -23,9 +25,9 @@ def test_every_variant_computes_the_same_pass(pass_name):
     """The wiring: every tile's kernel gives the default tile's scaled cotangents bit for bit
     and its column sums to f32 rounding; the one-layer kernel also gives XLA's g ⊙ dy bit for
     bit. (Each kernel's accuracy against float64 is tests/jax's job.)"""
-    args = bp.operands(64, 128)
-    found = bp.variants(pass_name, [(64, 64)], interpret=True)
-    assert next(iter(found)) == "xla" and "mosaic_64x64" in found
+    args = bp.operands(256, 128)
+    found = bp.variants(pass_name, [(64, 64, None), (256, 64, 64)], interpret=True)
+    assert next(iter(found)) == "xla" and {"mosaic_64x64", "mosaic_256x64c64"} <= set(found)
     outs = {name: [np.asarray(o, np.float32) for o in fn(*args)] for name, (fn, _) in found.items()}
     scaled = len(outs["xla"]) // 2
     kernels = [name for name in outs if name != "xla"]
@@ -40,8 +42,8 @@ def test_every_variant_computes_the_same_pass(pass_name):
 
 
 def test_unsupported_tiles_are_skipped():
-    (_, config), = [v for k, v in bp.variants("scale_reduce", [(64, 128)], interpret=True).items()
-                    if k == "mosaic_64x128"]  # fmt: skip
+    found = bp.variants("scale_reduce", [(64, 128, None)], interpret=True)
+    (_, config) = found["mosaic_64x128"]
     assert bp.supported("scale_reduce", config, 64, 128)
     assert not bp.supported("scale_reduce", config, 64, 96)
     assert bp.supported("scale_reduce", None, 3, 5)  # XLA takes every shape

@@ -68,6 +68,19 @@ def test_device_op_times_sum_per_op_and_filter_the_module():
     assert pj.device_op_times(host, module=None) == {}
 
 
+def test_idle_before_each_op_is_the_gap_since_the_latest_end():
+    profile = _profile([
+        _event(1, 0, 5_000_000, "fusion.1", "jit_train"),            # 0-5 µs
+        _event(1, 2_000_000, 1_000_000, "fusion.3", "jit_train"),    # inside fusion.1: no gap
+        _event(1, 8_000_000, 2_000_000, "fusion.2", "jit_train"),    # 3 µs after 5
+        _event(1, 9_000_000, 1_000_000, "fusion.9", "jit_other"),    # another module: skipped
+        _event(2, 10_500_000, 1_000_000),                            # untagged: skipped
+        _event(1, 14_000_000, 1_000_000, "fusion.1", "jit_train"),   # 4 µs after 10
+    ])  # fmt: skip
+    assert pj.idle_before(profile, module="jit_train") == {"fusion.2": 3000.0, "fusion.1": 4000.0}
+    assert pj.idle_before(profile, module="jit_train", device_prefix="/host:") == {}
+
+
 def test_report_differences_are_per_opcode_and_kind():
     rows = [
         dict(provider="a", rank=4, step_ms=1.0, op="x", opcode="fusion", kind="kLoop", shape="",
@@ -104,3 +117,19 @@ def test_command_buffers_are_switched_off_once_and_other_flags_kept(monkeypatch)
     pj.disable_command_buffers()
     flags = os.environ["XLA_FLAGS"].split()
     assert flags == ["--xla_dump_to=/tmp/x", pj.NO_COMMAND_BUFFERS]
+
+
+def test_the_grad_program_is_profiled_beside_the_training_step(tmp_path):
+    rows = pj.main(["--tiny", "--steps", "2", "--layers", "1", "--ranks", "4",
+                    "--providers", "ours_bf16", "--programs", "grad", "train",
+                    "--out", str(tmp_path)])  # fmt: skip
+    assert [p for p in dict.fromkeys(r["program"] for r in rows)] == ["grad", "train"]
+    grad = {r["op"] for r in rows if r["program"] == "grad"}
+    train = {r["op"] for r in rows if r["program"] == "train"}
+    assert grad and train and grad != train  # two programs, each profiled from its own HLO
+    assert (tmp_path / "profile_jax_ours_bf16_r4_grad.hlo.txt").exists()
+    assert (tmp_path / "profile_jax_ours_bf16_r4.hlo.txt").exists()
+    text = pj.report(rows)
+    assert "ours_bf16 (grad)" in text and "ours_bf16 - ours_bf16 (grad)" in text
+    assert all(r["idle_before_us_per_step"] >= 0 for r in rows)
+    assert "idle before" in text

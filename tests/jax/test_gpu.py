@@ -98,7 +98,9 @@ def test_mosaic_compose_matches_float64(tokens, d_out, rank, dtype, in_flight):
 @pytest.mark.parametrize(
     ("tokens", "d_out", "tiles"),
     [(64, 32, (256, 32)), (192, 96, (256, 32)), (1024, 512, (128, 64)), (2048, 4096, (256, 32)),
-     (4096, 14336, (256, 32)), (320, 128, (64, 128))],
+     (4096, 14336, (256, 32)), (320, 128, (64, 128)),
+     # the arithmetic in 64-row slabs of the tile (MosaicConfig.swiglu_chunk_m)
+     (2048, 14336, (256, 32, 64)), (192, 96, (256, 32, 64))],
 )  # fmt: skip
 def test_mosaic_swiglu_backward_matches_float64(tokens, d_out, tiles, dtype):
     from dora_jax import mosaic
@@ -107,7 +109,8 @@ def test_mosaic_swiglu_backward_matches_float64(tokens, d_out, tiles, dtype):
 
     from .test_swiglu import float64_pass, kernel_operands, xla_pass
 
-    config = MosaicConfig(swiglu_tile_m=tiles[0], swiglu_tile_n=tiles[1])
+    chunk = tiles[2] if len(tiles) > 2 else None
+    config = MosaicConfig(swiglu_tile_m=tiles[0], swiglu_tile_n=tiles[1], swiglu_chunk_m=chunk)
     ops = kernel_operands(tokens, d_out, dtype, seed=tokens + d_out)
     got = jax.jit(functools.partial(mosaic.swiglu_backward, config=config))(*ops)
     ref, base = float64_pass(*ops, dtype), xla_pass(*ops)
@@ -122,7 +125,9 @@ def test_mosaic_swiglu_backward_matches_float64(tokens, d_out, tiles, dtype):
 @pytest.mark.parametrize(
     ("tokens", "d_out", "tiles"),
     [(64, 32, (256, 32)), (192, 96, (256, 32)), (2048, 1024, (256, 32)), (2048, 4096, (128, 64)),
-     (8192, 4096, (256, 32)), (2048, 14336, (64, 128))],
+     (8192, 4096, (256, 32)), (2048, 14336, (64, 128)),
+     # the arithmetic in slabs (MosaicConfig.scale_reduce_chunk_m)
+     (2048, 14336, (256, 128, 64)), (192, 96, (256, 32, 128))],
 )  # fmt: skip
 def test_mosaic_scale_reduce_matches_the_xla_pass(tokens, d_out, tiles, dtype):
     from dora_jax import mosaic
@@ -130,7 +135,10 @@ def test_mosaic_scale_reduce_matches_the_xla_pass(tokens, d_out, tiles, dtype):
 
     from .test_mosaic import check_scale_reduce
 
-    config = MosaicConfig(scale_reduce_tile_m=tiles[0], scale_reduce_tile_n=tiles[1])
+    chunk = tiles[2] if len(tiles) > 2 else None
+    config = MosaicConfig(
+        scale_reduce_tile_m=tiles[0], scale_reduce_tile_n=tiles[1], scale_reduce_chunk_m=chunk
+    )
     fn = jax.jit(functools.partial(mosaic.scale_reduce, config=config))
     check_scale_reduce(fn, tokens, d_out, dtype)
 

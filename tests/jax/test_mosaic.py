@@ -193,6 +193,14 @@ def check_scale_reduce(scale_reduce, tokens, d_out, dtype):
         (64, 32, MosaicConfig(scale_reduce_tile_n=32)),
         (192, 96, MosaicConfig(scale_reduce_tile_m=256, scale_reduce_tile_n=32)),
         (128, 256, MosaicConfig()),
+        # the arithmetic in 64-row slabs of a 256-row tile; and a 128-row slab where 192
+        # tokens need 64-row tiles (the slab shrinks with the tile)
+        (256, 128, MosaicConfig(scale_reduce_tile_m=256, scale_reduce_chunk_m=64)),
+        (
+            192,
+            96,
+            MosaicConfig(scale_reduce_tile_m=256, scale_reduce_tile_n=32, scale_reduce_chunk_m=128),
+        ),
     ],
 )
 def test_scale_reduce_matches_the_xla_pass(tokens, d_out, config, dtype):
@@ -211,7 +219,11 @@ def test_scale_reduce_saturates_instead_of_overflowing():
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "f16"])
 @pytest.mark.parametrize(
     "config",
-    [MosaicConfig(), MosaicConfig(scale_reduce_tile_m=256, scale_reduce_tile_n=32)],
+    [
+        MosaicConfig(),
+        MosaicConfig(scale_reduce_tile_m=256, scale_reduce_tile_n=32),
+        MosaicConfig(scale_reduce_tile_m=256, scale_reduce_chunk_m=64),
+    ],
 )
 def test_scale_reduce_lowers_for_cuda(config, dtype):
     dy, saved, g = reduce_operands(512, 256, dtype)
@@ -239,6 +251,11 @@ def test_scale_reduce_refuses_what_it_cannot_tile():
         MosaicConfig(scale_reduce_tile_m=96)
     with pytest.raises(ValueError, match="scale_reduce_tile_n"):
         MosaicConfig(scale_reduce_tile_n=256)
+    for chunk in (32, 96, True, 64.0):
+        with pytest.raises(ValueError, match="scale_reduce_chunk_m must be None or a power"):
+            MosaicConfig(scale_reduce_tile_m=256, scale_reduce_chunk_m=chunk)
+    with pytest.raises(ValueError, match="swiglu_chunk_m=512 must not exceed swiglu_tile_m=256"):
+        MosaicConfig(swiglu_chunk_m=512)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "f16"])

@@ -54,10 +54,18 @@ xla_pass = xla_swiglu
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
-@pytest.mark.parametrize(("tokens", "d_out"), [(64, 32), (192, 96), (256, 64)])
-def test_kernel_matches_float64_within_the_xla_error(tokens, d_out, dtype):
+@pytest.mark.parametrize(
+    ("tokens", "d_out", "config"),
+    [
+        (64, 32, MosaicConfig()),
+        (192, 96, MosaicConfig()),
+        (256, 64, MosaicConfig()),
+        (256, 64, MosaicConfig(swiglu_chunk_m=64)),  # four 64-row slabs of one 256-row tile
+    ],
+)
+def test_kernel_matches_float64_within_the_xla_error(tokens, d_out, config, dtype):
     ops = kernel_operands(tokens, d_out, dtype)
-    got = mosaic.swiglu_backward(*ops, interpret=True)
+    got = mosaic.swiglu_backward(*ops, config=config, interpret=True)
     ref = float64_pass(*ops, dtype)
     base = xla_pass(*ops)
     eps = float(jnp.finfo(dtype).eps)
@@ -87,6 +95,7 @@ def test_kernel_saturates_instead_of_overflowing():
         MosaicConfig(),
         MosaicConfig(swiglu_tile_m=128, swiglu_tile_n=64),
         MosaicConfig(swiglu_tile_m=64),
+        MosaicConfig(swiglu_chunk_m=64),
     ],
 )
 def test_kernel_lowers_for_cuda(config, dtype):
