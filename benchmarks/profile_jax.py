@@ -21,12 +21,15 @@ from its own compile), to see what the optimizer's program adds: the report list
 program's difference against the first one of its rank.
 
 Each op also gets the device's idle time just before its kernels (``idle_before``): where the
-GPU waited for the host, which a step's device time alone cannot show.
+GPU waited for the host, which a step's device time alone cannot show; and the dora_jax part
+it belongs to (``scope``: the norm, the compose, the backward's cotangent pass or its
+gradients, from the name scopes ``dora_jax.vjp`` puts into every instruction's op_name), so
+the report can sum a step's device time and kernels per part.
 
-Writes ``profile_jax.csv`` (provider, program, rank, op, opcode, kind, shape, kernels, µs and
-idle µs per step) and ``profile_jax_<provider>_r<rank>[_grad].hlo.txt``; prints per provider the
-device time per step, its top ops, and per (opcode, kind) what each provider spends beyond the
-first one.
+Writes ``profile_jax.csv`` (provider, program, rank, op, opcode, kind, shape, scope, kernels,
+µs and idle µs per step) and ``profile_jax_<provider>_r<rank>[_grad].hlo.txt``; prints per
+provider the device time per step, its top ops and parts, and per (opcode, kind) what each
+provider spends beyond the first one.
 """
 
 from __future__ import annotations
@@ -44,12 +47,18 @@ NO_COMMAND_BUFFERS = "--xla_gpu_enable_command_buffer="
 # `%name = shape opcode(...)`, with `kind=kX` on fusions and the target on custom calls
 _HLO_OP = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.+?)\s+([\w\-]+)\(")
 _KIND = re.compile(r"kind=(k\w+)")
+# the first dora_jax name scope in an instruction's op_name (``dora_jax.vjp.*_SCOPE``), which
+# JAX writes as a path component or inside its transforms: ".../jvp(dora_norm)/dot_general"
+_SCOPE = re.compile(r'op_name="[^"]*?[/(](dora_[a-z_]+)[)/]')
 _TARGET = re.compile(r'custom_call_target="([^"]+)"')
 
 
 def hlo_op_table(hlo_text: str) -> dict[str, dict]:
-    """op name -> {opcode, kind, shape} for every instruction of an HLO module's text. ``kind``
-    is a fusion's kind (kLoop, kInput, kOutput, kCustom) or a custom call's target."""
+    """op name -> {opcode, kind, shape, scope} for every instruction of an HLO module's text.
+    ``kind`` is a fusion's kind (kLoop, kInput, kOutput, kCustom) or a custom call's target;
+    ``scope`` the dora_jax part it came from (``dora_norm``, ``dora_compose``,
+    ``dora_scale_reduce``, ``dora_grads``: ``dora_jax.vjp``'s name scopes, which XLA keeps
+    in each instruction's op_name), or "" for the rest of the program."""
     table = {}
     for line in hlo_text.splitlines():
         m = _HLO_OP.match(line)
@@ -57,7 +66,13 @@ def hlo_op_table(hlo_text: str) -> dict[str, dict]:
             continue
         name, shape, opcode = m.groups()
         kind = _KIND.search(line) or _TARGET.search(line)
-        table[name] = dict(opcode=opcode, kind=kind.group(1) if kind else "", shape=shape)
+        scope = _SCOPE.search(line)
+        table[name] = dict(
+            opcode=opcode,
+            kind=kind.group(1) if kind else "",
+            shape=shape,
+            scope=scope.group(1) if scope else "",
+        )
     return table
 
 
@@ -198,7 +213,7 @@ def provider_rows(
     ops = hlo_op_table(hlo)
     rows = []
     for op, (kernels, ns) in sorted(times.items(), key=lambda kv: -kv[1][1]):
-        info = ops.get(op, dict(opcode="?", kind="", shape=""))
+        info = ops.get(op, dict(opcode="?", kind="", shape="", scope=""))
         rows.append(
             dict(
                 provider=name,
@@ -222,6 +237,17 @@ def by_kind(rows: list[dict], key: str = "us_per_step") -> dict[tuple[str, str],
     for row in rows:
         out[(row["opcode"], row["kind"])] += row.get(key, 0.0)
     return dict(out)
+
+
+def by_scope(rows: list[dict]) -> dict[str, tuple[float, float]]:
+    """scope -> (µs, kernels) per step (``hlo_op_table``'s scope; "" for the rest), largest
+    first."""
+    out = defaultdict(lambda: [0.0, 0.0])
+    for row in rows:
+        entry = out[row.get("scope", "")]
+        entry[0] += row["us_per_step"]
+        entry[1] += row["kernels_per_step"]
+    return {k: (v[0], v[1]) for k, v in sorted(out.items(), key=lambda kv: -kv[1][0])}
 
 
 def _label(row: dict) -> str:
@@ -251,6 +277,11 @@ def report(rows: list[dict], *, top: int = 12) -> str:
                 lines.append(
                     f"    {r['us_per_step']:9.1f} us  x{r['kernels_per_step']:.0f}  {what}"
                 )
+            parts = by_scope(ops)
+            if any(parts):
+                listing = ", ".join(f"{k or 'rest'} {us:.0f} us in {kernels:.0f} kernels"
+                                    for k, (us, kernels) in parts.items())  # fmt: skip
+                lines.append(f"  r={rank} {n}, by dora_jax part: {listing}")
             if not any("idle_before_us_per_step" in r for r in ops):
                 continue
             waits = sorted(ops, key=lambda r: -r["idle_before_us_per_step"])[:top]

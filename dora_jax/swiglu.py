@@ -30,7 +30,15 @@ from . import mosaic
 from .checks import check_input
 from .config import current_platform, resolve_impl
 from .dense import DoraDense
-from .vjp import Options, layer_forward, layer_grads, saved_and_g, takes_scaled_cotangent
+from .vjp import (
+    GRADS_SCOPE,
+    REDUCE_SCOPE,
+    Options,
+    layer_forward,
+    layer_grads,
+    saved_and_g,
+    takes_scaled_cotangent,
+)
 
 
 def swiglu(gate, up, x, *, deterministic: bool | None = None, rngs=None):
@@ -150,13 +158,15 @@ def _bwd(opts_g, opts_u, res, d_act):
     packed_g, packed_u = res
     saved_g, g_g = saved_and_g(packed_g)
     saved_u, g_u = saved_and_g(packed_u)
-    dy_g_gate, dy_g_up, col_gate, col_up = mosaic.swiglu_backward(
-        d_act.astype(saved_g.dtype), saved_g, saved_u, g_g, g_u, interpret=opts_g.interpret
-    )
-    cg = layer_grads(opts_g, packed_g, None, dy_g_gate, col_gate)
-    cu = layer_grads(opts_u, packed_u, None, dy_g_up, col_up)
-    parts = [d for d in (cg[0], cu[0]) if d is not None]
-    dx = None if not parts else functools.reduce(jnp.add, parts)
+    with jax.named_scope(REDUCE_SCOPE):
+        dy_g_gate, dy_g_up, col_gate, col_up = mosaic.swiglu_backward(
+            d_act.astype(saved_g.dtype), saved_g, saved_u, g_g, g_u, interpret=opts_g.interpret
+        )
+    with jax.named_scope(GRADS_SCOPE):
+        cg = layer_grads(opts_g, packed_g, None, dy_g_gate, col_gate)
+        cu = layer_grads(opts_u, packed_u, None, dy_g_up, col_up)
+        parts = [d for d in (cg[0], cu[0]) if d is not None]
+        dx = None if not parts else functools.reduce(jnp.add, parts)
     return (dx, cg[2], cg[3], cg[4], cg[5], cu[2], cu[3], cu[4], cu[5], None, None)
 
 

@@ -87,6 +87,14 @@ class Options:
     reduce_impl: str = "xla"  # the backward's scale-and-reduce (``_bwd``)
 
 
+#: Name scopes of a layer's parts. They reach the optimized HLO's op names, so a profile can
+#: put every kernel of a step under one of them (``benchmarks/profile_jax.py``).
+NORM_SCOPE = "dora_norm"  # U, G, the assembly, g = m / n
+COMPOSE_SCOPE = "dora_compose"  # x·a, x·K and the compose
+REDUCE_SCOPE = "dora_scale_reduce"  # the backward's cotangent pass (one layer or a SwiGLU pair)
+GRADS_SCOPE = "dora_grads"  # the backward's GEMMs and small sums (``layer_grads``)
+
+
 def _norm_parts(opts: Options, kernel, lora_a, lora_b, base_sq):
     """(n, w): the factored norm and, with exact_norm_grad, w = s·U + s²·G·b for the backward."""
     if opts.norm_sharding is not None:
@@ -123,15 +131,28 @@ def _base_product(x, kernel):
 def _forward(opts: Options, x, x_d, kernel, lora_a, lora_b, magnitude, bias, base_sq, norm):
     """Returns (y, residuals). x [T, d_in], x_d (like x, or None: no dropout) and kernel
     [d_in, N] share the activation dtype."""
+    acc = acc_dtype(x.dtype)
+    with jax.named_scope(NORM_SCOPE):
+        if norm is None:
+            n, w = _norm_parts(opts, kernel, lora_a, lora_b, base_sq)
+        else:
+            n, w = norm, None
+        n = n.astype(acc)
+        g = magnitude_scale(magnitude, n, acc)
+    with jax.named_scope(COMPOSE_SCOPE):
+        y, h, saved, saved_is_inner = _compose(
+            opts, x, x_d, kernel, lora_a, lora_b, magnitude, bias, g, n
+        )
+    res = (x, x_d, kernel, lora_a, lora_b, magnitude, bias, h, saved, g, n, w)
+    return y, (res, saved_is_inner)
+
+
+def _compose(opts: Options, x, x_d, kernel, lora_a, lora_b, magnitude, bias, g, n):
+    """(y, h, saved, saved_is_inner): the adapter product h = x·a (x_d·a with dropout), the
+    base product and their compose (``_forward``)."""
     cd = x.dtype
     acc = acc_dtype(cd)
     s = opts.scaling
-    if norm is None:
-        n, w = _norm_parts(opts, kernel, lora_a, lora_b, base_sq)
-    else:
-        n, w = norm, None
-    n = n.astype(acc)
-    g = magnitude_scale(magnitude, n, acc)
     a_c, b_c = lora_a.astype(cd), lora_b.astype(cd)
     h = jnp.dot(x if x_d is None else x_d, a_c, preferred_element_type=cd)  # f32 acc, one round
     base = _base_product(x, kernel)
@@ -148,8 +169,7 @@ def _forward(opts: Options, x, x_d, kernel, lora_a, lora_b, magnitude, bias, bas
             base, h, b_c, g, bias, scaling=s, precision=dot_precision(cd), dropout=dropout
         )
         saved_is_inner = True
-    res = (x, x_d, kernel, lora_a, lora_b, magnitude, bias, h, saved, g, n, w)
-    return y, (res, saved_is_inner)
+    return y, h, saved, saved_is_inner
 
 
 def layer_forward(opts: Options, x, kernel, lora_a, lora_b, magnitude, base_sq, *, perturbed):
@@ -211,11 +231,13 @@ def _bwd(opts: Options, packed, dy):
     if isinstance(dy, SymbolicZero):
         return (None,) * 9
     saved, g = saved_and_g(packed)
-    if opts.reduce_impl == "mosaic":
-        dy_g, col = mosaic.scale_reduce(dy, saved, g, interpret=opts.interpret)
-    else:
-        dy_g, col = xla_ops.scale_reduce(dy, saved, g)
-    return layer_grads(opts, packed, dy, dy_g, col)
+    with jax.named_scope(REDUCE_SCOPE):
+        if opts.reduce_impl == "mosaic":
+            dy_g, col = mosaic.scale_reduce(dy, saved, g, interpret=opts.interpret)
+        else:
+            dy_g, col = xla_ops.scale_reduce(dy, saved, g)
+    with jax.named_scope(GRADS_SCOPE):
+        return layer_grads(opts, packed, dy, dy_g, col)
 
 
 def saved_and_g(packed):

@@ -15,7 +15,9 @@ ENTRY %main {
   %p0 = bf16[2048,4096]{1,0} parameter(0)
   %loop_fusion.3 = bf16[2048,4096]{1,0} fusion(%p0), kind=kLoop, calls=%fused_computation.3
   %custom-call.7 = (bf16[2048,16]{1,0}, s8[0]{0}) custom-call(%p0, %p0), \
-custom_call_target="__cublas$gemm"
+custom_call_target="__cublas$gemm", metadata={op_name="jit(train)/jvp(dora_norm)/dot_general"}
+  %fusion.4 = bf16[2048]{0} fusion(%p0), kind=kInput, calls=%f.4, \
+metadata={op_name="jit(train)/transpose(jvp())/dora_grads/reduce_sum"}
   ROOT %tuple.9 = (bf16[2048,4096]{1,0}) tuple(%loop_fusion.3)
 }
 """
@@ -24,10 +26,14 @@ custom_call_target="__cublas$gemm"
 def test_hlo_op_table_reads_opcode_kind_and_shape():
     table = pj.hlo_op_table(HLO)
     assert table["loop_fusion.3"] == dict(
-        opcode="fusion", kind="kLoop", shape="bf16[2048,4096]{1,0}"
+        opcode="fusion", kind="kLoop", shape="bf16[2048,4096]{1,0}", scope=""
     )
     assert table["custom-call.7"]["kind"] == "__cublas$gemm"
     assert table["custom-call.7"]["opcode"] == "custom-call"
+    # dora_jax's name scopes, inside a transform or as a path component; none elsewhere
+    assert table["custom-call.7"]["scope"] == "dora_norm"
+    assert table["fusion.4"]["scope"] == "dora_grads"
+    assert table["loop_fusion.3"]["scope"] == ""
     assert table["tuple.9"]["opcode"] == "tuple"
     assert table["p0"]["opcode"] == "parameter"
 
@@ -119,6 +125,13 @@ def test_command_buffers_are_switched_off_once_and_other_flags_kept(monkeypatch)
     assert flags == ["--xla_dump_to=/tmp/x", pj.NO_COMMAND_BUFFERS]
 
 
+def test_by_scope_sums_device_time_and_kernels_per_part():
+    rows = [dict(scope="dora_norm", us_per_step=2.0, kernels_per_step=1.0),
+            dict(scope="", us_per_step=5.0, kernels_per_step=2.0),
+            dict(scope="dora_norm", us_per_step=4.0, kernels_per_step=3.0)]  # fmt: skip
+    assert pj.by_scope(rows) == {"dora_norm": (6.0, 4.0), "": (5.0, 2.0)}
+
+
 def test_the_grad_program_is_profiled_beside_the_training_step(tmp_path):
     rows = pj.main(["--tiny", "--steps", "2", "--layers", "1", "--ranks", "4",
                     "--providers", "ours_bf16", "--programs", "grad", "train",
@@ -133,3 +146,8 @@ def test_the_grad_program_is_profiled_beside_the_training_step(tmp_path):
     assert "ours_bf16 (grad)" in text and "ours_bf16 - ours_bf16 (grad)" in text
     assert all(r["idle_before_us_per_step"] >= 0 for r in rows)
     assert "idle before" in text
+    # every part of the layer owns kernels of both programs
+    parts = {"dora_norm", "dora_compose", "dora_scale_reduce", "dora_grads"}
+    for program in ("grad", "train"):
+        assert parts <= {r["scope"] for r in rows if r["program"] == program}
+    assert "by dora_jax part" in text

@@ -98,6 +98,23 @@ def test_jit_vmap_remat_agree():
     assert gv.shape == x.shape and bool(jnp.all(jnp.isfinite(gv)))
 
 
+def test_every_part_of_the_layer_is_named_in_the_compiled_program():
+    """The name scopes of ``dora_jax.vjp`` reach the optimized HLO's op names, where
+    ``benchmarks/profile_jax`` reads them to put each kernel of a step under one part."""
+    from dora_jax import vjp
+
+    _, (x, k, a, b, m, bias) = _flax("batched_3d")
+
+    def loss(x, a, b, m):
+        return jnp.sum(jnp.sin(dora_dense(x, k, a, b, m, 2.0, bias, impl="xla")))
+
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
+    hlo = grad.lower(x, a, b, m).compile().as_text()
+    scopes = (vjp.NORM_SCOPE, vjp.COMPOSE_SCOPE, vjp.REDUCE_SCOPE, vjp.GRADS_SCOPE)
+    missing = [sc for sc in scopes if f"({sc})" not in hlo and f"/{sc}/" not in hlo]
+    assert not missing, f"name scopes missing from the optimized HLO: {missing}"
+
+
 def test_zero_rows_and_empty_input_stay_finite():
     _, (x, k, a, b, m, bias) = _flax("zero_base_row")
     impl = "xla"
