@@ -140,17 +140,22 @@ JAX_LAYER_TARGETS = (
 
 
 def jax_model_train_ms(csv_name: str, provider: str, rank: int) -> float:
-    """``train_ms`` of one row of a ``bench_model_jax`` CSV (8 layers, batch 1 × 2048)."""
+    """The training step's ms in one row of a ``bench_model_jax`` CSV (8 layers, batch
+    1 × 2048): ``train_loop_ms`` (interleaved rounds, steps back to back, since run 133)
+    where the row has it, else ``train_ms``."""
     with open(RESULTS / csv_name, newline="") as f:
         for row in csv.DictReader(f):
-            if (row["provider"], row["rank"]) == (provider, str(rank)) and row["train_ms"]:
-                return float(row["train_ms"])
+            if (row["provider"], row["rank"]) != (provider, str(rank)):
+                continue
+            value = row.get("train_loop_ms") or row["train_ms"]
+            if value:
+                return float(value)
     raise KeyError(f"no {provider} r={rank} row in {csv_name}")
 
 
 #: Issue 14's model training step (≤ 1.05× jnp LoRA, ≥ 1.2× faster than naive jnp DoRA):
 #: rank → the run measuring it.
-JAX_MODEL_TARGETS = ((16, "model_jax_run103.csv"), (384, "model_jax_run103.csv"))
+JAX_MODEL_TARGETS = ((16, "model_jax_run133.csv"), (384, "model_jax_run133.csv"))
 
 
 def naive_bound(naive_ms: float, lora_ms: float, floor: float) -> float:

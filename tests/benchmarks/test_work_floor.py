@@ -74,6 +74,13 @@ def test_the_cited_jax_model_run_holds_lora_and_ours_at_both_ranks():
         assert wf.jax_model_train_ms(csv_name, "ours_bf16", r) > lora
         assert wf.pass_floor(lora, *wf.model_layers(r, tokens=2048)) > 1.0
     assert wf.jax_model_train_ms("model_jax_run103.csv", "jnp_dora_naive", 16) > 0
+    # a row with the back-to-back rounds is read from them, an older one from train_ms
+    assert wf.jax_model_train_ms("model_jax_run133.csv", "jnp_lora", 16) == pytest.approx(
+        46.8798049, rel=1e-6
+    )
+    assert wf.jax_model_train_ms("model_jax_run103.csv", "jnp_lora", 16) == pytest.approx(
+        47.71, abs=0.01
+    )
     with pytest.raises(KeyError, match="no jnp_lora r=7"):
         wf.jax_model_train_ms("model_jax_run103.csv", "jnp_lora", 7)
 
