@@ -1,4 +1,5 @@
-"""Host-bound training steps, timed in interleaved rounds (the batch-1 rows of issue 10).
+"""Training steps timed in interleaved rounds (the batch-1 rows of issue 10; ``--batch 4``
+for its GPU-bound rows, where a sustained step runs at the card's power cap: NOTES session 29).
 
 A batch-1 × 2048 step on Llama-8B shapes is host-bound, and the host's speed drifts from
 minute to minute on the lent machines (benchmarks/NOTES.md, session 5): timing one provider
@@ -214,10 +215,15 @@ def run(out_dir: pathlib.Path) -> list[dict]:
     return _bench(out_dir, [16, 384], ["bf16", "fp32"], rounds=15)
 
 
+#: Issue 10's eager training-step targets against PEFT LoRA: batch 1 × 2048 (host-bound) and
+#: batch 4 × 2048 (GPU-bound; larger batches take the same).
+EAGER_TARGETS = {1: 1.25, 4: 1.12}
+
+
 def ratios(rows: list[dict], rev_commit: str | None = None) -> list[dict]:
     """The summary of one (rank, adapter setting, mode) block of ``measure`` rows: ours (and
     ours_rev) against PEFT LoRA under the same optimizer, median over median, with issue
-    10's target (eager ≤ 1.25, compiled ≤ 1.10)."""
+    10's target (eager ≤ 1.25 at batch 1 and ≤ 1.12 at larger batches, compiled ≤ 1.10)."""
     by = {(r["variant"], r["optim"]): r for r in rows}
     out = []
     for (name, optim), row in by.items():
@@ -225,7 +231,7 @@ def ratios(rows: list[dict], rev_commit: str | None = None) -> list[dict]:
             continue
         ratio = row["step_median_ms"] / by["peft_lora", optim]["step_median_ms"]
         mode = row["mode"]
-        target = 1.25 if mode == "eager" else 1.10
+        target = EAGER_TARGETS.get(row["batch"], 1.12) if mode == "eager" else 1.10
         label = name if name == "ours" else f"ours@{rev_commit}"
         setting = f"r={row['rank']} b={row['batch']} {mode} {optim} {row['adapters']}-adapters"
         out.append({
@@ -239,23 +245,24 @@ def ratios(rows: list[dict], rev_commit: str | None = None) -> list[dict]:
 
 
 def _bench(
-    out_dir, ranks, adapters, *, rounds, variants=None, mode="eager", rev=None, optims=("foreach",)
-) -> list[dict]:
+    out_dir, ranks, adapters, *, rounds, variants=None, mode="eager", rev=None,
+    optims=("foreach",), batch=1,
+) -> list[dict]:  # fmt: skip
     out_dir = pathlib.Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     rows, rounds_rows, summary, meta = [], [], [], bm._meta()
     for rank in ranks:
         for setting in adapters:
             got, per_round = measure(
-                rank, setting, rounds=rounds, variants=variants, mode=mode, rev=rev,
-                optims=optims,
+                rank, setting, batch=batch, rounds=rounds, variants=variants, mode=mode,
+                rev=rev, optims=optims,
             )  # fmt: skip
             got = [{**meta, **row} for row in got]
             rows += got
             rounds_rows += per_round
             for r in got:
                 print(
-                    f"[step_interleaved] r={rank} {mode} {r['optim']} {setting}: "
+                    f"[step_interleaved] r={rank} b={batch} {mode} {r['optim']} {setting}: "
                     f"{r['variant']:<20} step min {r['step_min_ms']:7.2f} med "
                     f"{r['step_median_ms']:7.2f} | fwd host {r['fwd_host_min_ms']:6.2f} | bwd "
                     f"host {r['bwd_host_min_ms']:6.2f} ms",
@@ -284,7 +291,10 @@ def main(argv=None) -> int:
         "wrote (variant ours_rev)",
     )  # fmt: skip
     ap.add_argument("--optims", nargs="+", default=["foreach"], choices=list(bm.OPTIMS))
+    ap.add_argument("--batch", type=int, default=1, help="sequences of 2048 tokens per step")
     args = ap.parse_args(argv)
+    if args.batch < 1:
+        ap.error(f"--batch must be >= 1; got {args.batch}")
     variants = None if args.variants is None else {"peft_lora", "ours", *args.variants}
     rev = None
     if args.rev is not None:
@@ -293,7 +303,7 @@ def main(argv=None) -> int:
         rev = load(pathlib.Path(args.rev))
     rows = _bench(
         args.out, args.ranks, args.adapters, rounds=args.rounds, variants=variants,
-        mode=args.mode, rev=rev, optims=tuple(args.optims),
+        mode=args.mode, rev=rev, optims=tuple(args.optims), batch=args.batch,
     )  # fmt: skip
     for row in rows:
         print(f"{row['metric']}: {row['value']:.3f}")
