@@ -12,8 +12,8 @@ and up, down in a Llama layer), a few dozen kernels instead of hundreds.
 
   per_layer  ``norm.norm_parts`` per layer, then g = m / n (the library's own path);
   grouped    U per layer (``norm.norm_gemms``' product), the rest batched per shape group:
-             G by one batched dot, G·b and n by ``xla_ops.gram_times_b`` / ``norm_from_gb``
-             under ``jax.vmap``.
+             G by one batched dot, G·b and n by the layers' own assembly
+             (``norm.assemble_parts``) under ``jax.vmap``.
 
 Both are jitted as one program over ``--layers`` decoder layers of Llama-8B shapes (distinct
 weights per layer), with every g as output; timed by ``measure.jax_time_ms`` (each program
@@ -72,12 +72,13 @@ def per_layer(ps: list[dict]) -> list:
 
 
 def grouped(ps: list[dict]) -> list:
-    """The same g's with U per layer and everything after it batched per shape group."""
+    """The same g's with U per layer and everything after it batched per shape group: G by
+    one batched dot, the rest by the layers' own assembly (``norm.assemble_parts``) under
+    ``jax.vmap``."""
     import jax
     import jax.numpy as jnp
     from jax import lax
 
-    from dora_jax.config import acc_dtype, norm_gemm_bf16x3
     from dora_jax.norm import norm_gemms
 
     groups = defaultdict(list)
@@ -86,31 +87,30 @@ def grouped(ps: list[dict]) -> list:
     out = [None] * len(ps)
     for members in groups.values():
         kernel_dtype = ps[members[0]]["kernel"].dtype
-        dt = acc_dtype(kernel_dtype, ps[members[0]]["b"].dtype)
-        split = norm_gemm_bf16x3(kernel_dtype, dt)
-        # U reads each K: one product per layer, as today (G is dropped by XLA)
-        u = jnp.stack([norm_gemms(ps[i]["kernel"], ps[i]["a"])[0] for i in members]).astype(dt)
-        a = jnp.stack([ps[i]["a"].astype(kernel_dtype) for i in members])
-        b = jnp.stack([ps[i]["b"] for i in members])
-        sq = jnp.stack([ps[i]["base_sq"] for i in members]).astype(dt)
-        m = jnp.stack([ps[i]["m"] for i in members])
+
+        def stacked(key, members=members):
+            return jnp.stack([ps[i][key] for i in members])
+
+        # U reads each K: one product per layer, as today (XLA drops the G beside it)
+        u = jnp.stack([norm_gemms(ps[i]["kernel"], ps[i]["a"])[0] for i in members])
+        a = stacked("a").astype(kernel_dtype)
         contract = (((1,), (1,)), ((0,), (0,)))  # aᵀa per layer: contract d_in, batch layers
-        gram = lax.dot_general(a, a, contract, preferred_element_type=jnp.float32).astype(dt)
-        assemble = functools.partial(_assemble, dt=dt, split=split)
-        g = jax.vmap(assemble)(u, gram, b, sq, m)
+        gram = lax.dot_general(a, a, contract, preferred_element_type=jnp.float32)
+        assemble = functools.partial(_assemble, kernel_dtype=kernel_dtype)
+        g = jax.vmap(assemble)(u, gram, stacked("b"), stacked("base_sq"), stacked("m"))
         for j, i in enumerate(members):
             out[i] = g[j]
     return out
 
 
-def _assemble(u, gram, b, sq, m, *, dt, split):
-    """g = m / n of one layer from U, G, b, ‖K‖² (the library's assembly, vmapped above)."""
-    from dora_jax import xla_ops
-    from dora_jax.config import NORM_PRECISION
+def _assemble(u, gram, b, sq, m, *, kernel_dtype):
+    """g = m / n of one layer from U, G, b and ‖K‖² by ``norm.assemble_parts``."""
+    from dora_jax.norm import assemble_parts
+    from dora_jax.xla_ops import magnitude_scale
 
-    gb = xla_ops.gram_times_b(gram, b, precision=NORM_PRECISION, bf16x3=split)
-    n = xla_ops.norm_from_gb(u, gb, b.astype(dt), sq, scaling=SCALING)
-    return xla_ops.magnitude_scale(m, n, n.dtype)
+    n, _ = assemble_parts(u, gram, b, sq, kernel_dtype=kernel_dtype, scaling=SCALING,
+                          grad_parts=False)  # fmt: skip
+    return magnitude_scale(m, n, n.dtype)
 
 
 def run(*, tiny: bool, ranks, layers: int) -> list[dict]:

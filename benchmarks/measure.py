@@ -139,7 +139,12 @@ def paired_ratio(times: dict[str, list[float]], num: str, den: str) -> float | N
 
 def jax_temp_bytes(jitted, *args) -> int | None:
     """XLA's compiled temporary buffer size for ``jitted(*args)`` (None if not reported)."""
-    analysis = jitted.lower(*args).compile().memory_analysis()
+    return compiled_temp_bytes(jitted.lower(*args).compile())
+
+
+def compiled_temp_bytes(compiled) -> int | None:
+    """A compiled program's temporary buffer size (None if XLA does not report one)."""
+    analysis = compiled.memory_analysis()
     if analysis is None:
         return None
     return int(analysis.temp_size_in_bytes)

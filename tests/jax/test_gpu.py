@@ -93,6 +93,14 @@ def test_mosaic_compose_matches_float64(tokens, d_out, rank, dtype, in_flight):
     check_compose(compose, tokens, d_out, rank, dtype)
 
 
+def _pass_config(op: str, tiles: tuple):
+    """MosaicConfig with the cotangent pass ``op``'s (tile_m, tile_n[, chunk_m]) set."""
+    from dora_jax.config import MosaicConfig
+
+    names = ("tile_m", "tile_n", "chunk_m")
+    return MosaicConfig(**{f"{op}_{k}": v for k, v in zip(names, tiles, strict=False)})
+
+
 @pytest.mark.skipif(not _hopper(), reason="Mosaic GPU kernels need Hopper (sm90)")
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
 @pytest.mark.parametrize(
@@ -104,13 +112,11 @@ def test_mosaic_compose_matches_float64(tokens, d_out, rank, dtype, in_flight):
 )  # fmt: skip
 def test_mosaic_swiglu_backward_matches_float64(tokens, d_out, tiles, dtype):
     from dora_jax import mosaic
-    from dora_jax.config import MosaicConfig
     from shared_spec.tolerances import assert_close
 
     from .test_swiglu import float64_pass, kernel_operands, xla_pass
 
-    chunk = tiles[2] if len(tiles) > 2 else None
-    config = MosaicConfig(swiglu_tile_m=tiles[0], swiglu_tile_n=tiles[1], swiglu_chunk_m=chunk)
+    config = _pass_config("swiglu", tiles)
     ops = kernel_operands(tokens, d_out, dtype, seed=tokens + d_out)
     got = jax.jit(functools.partial(mosaic.swiglu_backward, config=config))(*ops)
     ref, base = float64_pass(*ops, dtype), xla_pass(*ops)
@@ -131,14 +137,10 @@ def test_mosaic_swiglu_backward_matches_float64(tokens, d_out, tiles, dtype):
 )  # fmt: skip
 def test_mosaic_scale_reduce_matches_the_xla_pass(tokens, d_out, tiles, dtype):
     from dora_jax import mosaic
-    from dora_jax.config import MosaicConfig
 
     from .test_mosaic import check_scale_reduce
 
-    chunk = tiles[2] if len(tiles) > 2 else None
-    config = MosaicConfig(
-        scale_reduce_tile_m=tiles[0], scale_reduce_tile_n=tiles[1], scale_reduce_chunk_m=chunk
-    )
+    config = _pass_config("scale_reduce", tiles)
     fn = jax.jit(functools.partial(mosaic.scale_reduce, config=config))
     check_scale_reduce(fn, tokens, d_out, dtype)
 
