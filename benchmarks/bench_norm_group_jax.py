@@ -124,8 +124,10 @@ def run(*, tiny: bool, ranks, layers: int) -> list[dict]:
         ps = params(layers, rank, TINY if tiny else PROJECTIONS)
         fns = {"per_layer": jax.jit(per_layer), "grouped": jax.jit(grouped)}
         got = {name: jax.block_until_ready(fn(ps)) for name, fn in fns.items()}
+        # The two compute the same f32 sums in other orders (batched GEMMs on the GPU: run
+        # 136 differed by 2.8e-6); a layer wired to the wrong U or b would differ by O(1).
         for x, y in zip(got["per_layer"], got["grouped"], strict=True):
-            np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=2e-6, atol=0)
+            np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=0)
         for name, fn in fns.items():
             ms = jax_time_ms(lambda fn=fn, ps=ps: fn(ps), warmup=3, iters=20)
             rows.append(dict(variant=name, r=rank, layers=layers, adapted=len(ps), ms=ms,

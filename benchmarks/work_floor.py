@@ -23,7 +23,10 @@ scale-and-reduce, launches).
 The norm also reads W once more per step (LoRA's step reads it twice: forward and dx), and the
 backward's scale-and-reduce reads dy and the saved activation and writes g ⊙ dy. Where the
 GEMMs are short (few tokens) and launches are gone (CUDA graphs), those bytes, not the FLOPs,
-set the floor: ``pass_floor`` adds them at the copy bandwidth measured on these machines.
+set the floor: ``pass_floor`` adds them at the copy bandwidth measured on these machines. U
+reads W and does the norm's FLOPs in one GEMM, so it takes the slower of the two
+(``norm_ms``), not their sum (which sessions 15-29 used: it overstated the r = 384 floors,
+where U is compute-bound, by up to 1.5%).
 
     python3 -m benchmarks.work_floor
 """
@@ -78,13 +81,32 @@ def pass_bytes(d_in: int, d_out: int, tokens: int, itemsize: int = 2) -> int:
     return (d_in * d_out + 3 * tokens * d_out) * itemsize
 
 
-def pass_floor(lora_ms: float, *layers: Layer, tb_per_s: float = COPY_TB_PER_S) -> float:
-    """The lowest fwd+bwd ratio to LoRA's measured time (over ``layers``) when the passes, not
-    the FLOPs, add the time: LoRA's time, plus every layer's ``pass_bytes`` at ``tb_per_s``,
-    plus its norm's FLOPs at ``GEMM_TFLOPS``."""
-    nbytes = sum(pass_bytes(x.d_in, x.d_out, x.tokens) for x in layers)
-    flops = sum(x.norm() for x in layers)
-    extra_ms = (nbytes / (tb_per_s * 1e12) + flops / (GEMM_TFLOPS * 1e12)) * 1e3
+def norm_ms(layer: Layer, tb_per_s: float = COPY_TB_PER_S, tflops: float = GEMM_TFLOPS) -> float:
+    """The least time of a layer's norm: U = W·Aᵀ reads W once and does ``Layer.norm``'s
+    FLOPs, so it takes whichever of the two is slower (bytes at ``tb_per_s``, FLOPs at
+    ``tflops``)."""
+    read = pass_bytes(layer.d_in, layer.d_out, 0) / (tb_per_s * 1e12)
+    return max(read, layer.norm() / (tflops * 1e12)) * 1e3
+
+
+def activation_ms(layer: Layer, tb_per_s: float = COPY_TB_PER_S) -> float:
+    """The backward's scale-and-reduce pass at ``tb_per_s``: dy and the saved activation read,
+    g ⊙ dy written ([tokens, d_out] each)."""
+    nbytes = pass_bytes(layer.d_in, layer.d_out, layer.tokens) - pass_bytes(
+        layer.d_in, layer.d_out, 0
+    )
+    return nbytes / (tb_per_s * 1e12) * 1e3
+
+
+def pass_floor(
+    lora_ms: float, *layers: Layer, tb_per_s: float = COPY_TB_PER_S, backward: bool = True
+) -> float:
+    """The lowest ratio to LoRA's measured time (over ``layers``) with DoRA's own work added at
+    the rates it can run at: every layer's ``norm_ms`` and, for a step with a backward, its
+    ``activation_ms``."""
+    extra_ms = sum(
+        norm_ms(x, tb_per_s) + (activation_ms(x, tb_per_s) if backward else 0.0) for x in layers
+    )
     return (lora_ms + extra_ms) / lora_ms
 
 
@@ -134,8 +156,8 @@ def measured_ms(csv_name: str, shape: str) -> dict[tuple[str, str], float]:
 
 #: Issue 14's training-layer targets (≤ 1.05× jnp LoRA): the layer, and the run that measured it.
 JAX_LAYER_TARGETS = (
-    (Layer(8192, 8192, 384, 4096), "jax_layer_run17.csv", "8192x8192_r384_t4096"),
-    (Layer(8192, 28672, 384, 2048), "jax_layer.csv", "8192x28672_r384_t2048"),
+    (Layer(8192, 8192, 384, 4096), "jax_layer_run138.csv", "8192x8192_r384_t4096"),
+    (Layer(8192, 28672, 384, 2048), "jax_layer_run138.csv", "8192x28672_r384_t2048"),
 )
 
 
@@ -166,7 +188,7 @@ def naive_bound(naive_ms: float, lora_ms: float, floor: float) -> float:
 def main() -> None:
     print("JAX training layer, norm recomputed every call (issue 14; target ≤ 1.05× jnp LoRA):")
     print(f"  {'shape':<24} {'kind':<5} {'LoRA ms':>8} {'FLOPs':>6} "
-          f"{'@990':>6} {'@790':>6} {'ours_xla':>9}")  # fmt: skip
+          f"{'@990':>6} {'@790':>6} {'passes':>6} {'ours_xla':>9}")  # fmt: skip
     for layer, csv_name, shape in JAX_LAYER_TARGETS:
         ms = measured_ms(csv_name, shape)
         for kind, flops in (("fwd", layer.forward_floor()), ("grad", layer.grad_floor())):
@@ -176,6 +198,7 @@ def main() -> None:
                 f"  {shape:<24} {kind:<5} {lora:>8.3f} {flops:>5.3f}× "
                 f"{time_floor(lora, layer.norm(), PEAK_TFLOPS):>5.3f}× "
                 f"{time_floor(lora, layer.norm(), GEMM_TFLOPS):>5.3f}× "
+                f"{pass_floor(lora, layer, backward=kind == 'grad'):>5.3f}× "
                 + (f"{ours / lora:>8.3f}×" if ours else "")
                 + f"  ({csv_name})"
             )

@@ -164,7 +164,9 @@ def _every_shape(tokens: int, d_in: int, d_out: int, rank: int) -> bool:
 #: Ops with a Mosaic GPU kernel (``dora_jax.mosaic``), and where ``impl="auto"`` picks it with
 #: one Hopper GPU in the process (``_one_hopper``). No entry until the H200 measures it faster
 #: than the alternative in one process (``benchmarks/ab_jax``): None = never chosen by "auto".
-#: - compose: None. XLA's compose is never slower since the base product's barriers (run 108).
+#: - compose: None. XLA's compose is never slower in training since the base product's
+#:   barriers (run 108); in inference (a frozen norm) the kernel ties it within ±3% on most
+#:   Llama-8B shapes and trails it by up to 1.8× on a few (runs 140-141).
 #: - swiglu: every shape. The 8-layer Llama-8B step, one process, fused against unfused:
 #:   r = 16 −0.44 ms, r = 384 −0.52 ms at batch 1 × 2048, r = 16 −1.40 ms at batch 4 × 2048
 #:   (run 115, benchmarks/NOTES.md session 27).

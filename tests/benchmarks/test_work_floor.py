@@ -41,9 +41,23 @@ def test_the_cited_runs_hold_the_rows_the_floors_need():
 def test_pass_floor_counts_w_once_and_three_activation_passes():
     layer = wf.Layer(d_in=1000, d_out=500, r=2, tokens=10)
     assert wf.pass_bytes(1000, 500, 10) == (1000 * 500 + 3 * 10 * 500) * 2
-    # 1 ms of LoRA; bytes at 1 TB/s; the norm's FLOPs at GEMM_TFLOPS
-    extra = wf.pass_bytes(1000, 500, 10) / 1e12 * 1e3 + layer.norm() / (wf.GEMM_TFLOPS * 1e9)
-    assert wf.pass_floor(1.0, layer, tb_per_s=1.0) == pytest.approx(1.0 + extra)
+    # 1 ms of LoRA, bytes at 1 TB/s: at r = 2, U's read of W is slower than its FLOPs
+    read_ms, acts_ms = 1000 * 500 * 2 / 1e9, 3 * 10 * 500 * 2 / 1e9
+    assert wf.norm_ms(layer, tb_per_s=1.0) == pytest.approx(read_ms)
+    assert wf.activation_ms(layer, tb_per_s=1.0) == pytest.approx(acts_ms)
+    assert wf.pass_floor(1.0, layer, tb_per_s=1.0) == pytest.approx(1.0 + read_ms + acts_ms)
+    # a forward alone has no scale-and-reduce
+    assert wf.pass_floor(1.0, layer, tb_per_s=1.0, backward=False) == pytest.approx(1.0 + read_ms)
+
+
+def test_the_norm_takes_the_slower_of_its_read_and_its_flops_not_their_sum():
+    wide = wf.Layer(d_in=8192, d_out=8192, r=384, tokens=0)  # 384 FLOPs per byte of W
+    flops_ms = wide.norm() / (wf.GEMM_TFLOPS * 1e9)
+    read_ms = 8192 * 8192 * 2 / (wf.COPY_TB_PER_S * 1e9)
+    assert flops_ms > read_ms
+    assert wf.norm_ms(wide) == pytest.approx(flops_ms)
+    narrow = wf.Layer(d_in=8192, d_out=8192, r=16, tokens=0)
+    assert wf.norm_ms(narrow) == pytest.approx(read_ms)
 
 
 def test_pass_floor_over_several_layers_adds_each_layers_work():
