@@ -31,11 +31,13 @@ XLA's compiled temp sizes (``memory_analysis``) for each. Each provider is measu
 so these rows sit in different stretches of the GPU's clock history (a sustained step runs
 at the card's power cap, ~1.6-1.7 GHz against 1.98 in short bursts: benchmarks/NOTES.md,
 session 29); the training steps are therefore also timed in interleaved rounds once every
-provider of a rank is compiled (``DORA_BENCH_JAX_ROUNDS`` = 8 rounds of 5 steps each, the
-providers taking turns): ``train_rounds_ms`` waits for each step (the median per round),
-``train_loop_ms`` dispatches the round's steps back to back as a training loop does (the
-mean per round), and the training-step ratios are medians of per-round ratios, the target
-on ``train_loop_ms``.
+provider of a rank is compiled (``DORA_BENCH_JAX_ROUNDS`` = 8 rounds, the providers taking
+turns): ``train_rounds_ms`` waits for each of 5 steps (the median per round),
+``train_loop_ms`` dispatches ``DORA_BENCH_JAX_LOOP_STEPS`` = 20 steps back to back as a
+training loop does (the mean per round: the host's start of the first step, 2-4 ms before
+its first kernel, is spread over them, where 5 steps left 0.3 ms of it in ours' step and
+less in LoRA's; benchmarks/NOTES.md, session 30), and the training-step ratios are medians
+of per-round ratios, the target on ``train_loop_ms``.
 
     DORA_BENCH_JAX_LAYERS=4 python3 -m benchmarks.run --only model_jax --skip-tests
 """
@@ -101,6 +103,14 @@ def rounds() -> int:
     n = int(os.environ.get("DORA_BENCH_JAX_ROUNDS", "8"))
     if n < 1:
         raise ValueError(f"DORA_BENCH_JAX_ROUNDS must be >= 1; got {n}")
+    return n
+
+
+def loop_steps() -> int:
+    """``DORA_BENCH_JAX_LOOP_STEPS``: steps per round of ``train_loop_ms`` (default 20)."""
+    n = int(os.environ.get("DORA_BENCH_JAX_LOOP_STEPS", "20"))
+    if n < 1:
+        raise ValueError(f"DORA_BENCH_JAX_LOOP_STEPS must be >= 1; got {n}")
     return n
 
 
@@ -386,13 +396,15 @@ ROUND_KINDS = {"train_rounds_ms": False, "train_loop_ms": True}
 
 def _train_rounds(calls: dict) -> dict:
     """{column: provider -> the training step's ms per round} for each of ``ROUND_KINDS``, the
-    providers taking turns (``measure.jax_time_rounds``, ``rounds()`` rounds of 5 calls); {}
-    if the rounds fail."""
+    providers taking turns (``measure.jax_time_rounds``, ``rounds()`` rounds of 5 waited
+    calls, or ``loop_steps()`` calls back to back); {} if the rounds fail."""
     from .measure import jax_time_rounds
 
     try:
         return {
-            column: jax_time_rounds(calls, rounds=rounds(), per_round=5, back_to_back=b2b)
+            column: jax_time_rounds(
+                calls, rounds=rounds(), per_round=loop_steps() if b2b else 5, back_to_back=b2b
+            )
             for column, b2b in ROUND_KINDS.items()
         }
     except Exception:  # the per-provider rows stand without the rounds

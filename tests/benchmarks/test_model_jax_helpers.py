@@ -73,6 +73,11 @@ def test_rounds_are_refused_below_one(monkeypatch):
     monkeypatch.setenv("DORA_BENCH_JAX_ROUNDS", "0")
     with pytest.raises(ValueError, match="DORA_BENCH_JAX_ROUNDS"):
         bm.rounds()
+    monkeypatch.setenv("DORA_BENCH_JAX_LOOP_STEPS", "0")
+    with pytest.raises(ValueError, match="DORA_BENCH_JAX_LOOP_STEPS"):
+        bm.loop_steps()
+    monkeypatch.setenv("DORA_BENCH_JAX_LOOP_STEPS", "3")
+    assert bm.loop_steps() == 3
 
 
 def test_the_tiny_run_times_every_training_step_in_rounds(tmp_path, monkeypatch):
@@ -80,6 +85,7 @@ def test_the_tiny_run_times_every_training_step_in_rounds(tmp_path, monkeypatch)
     monkeypatch.setenv("DORA_BENCH_JAX_LAYERS", "1")
     monkeypatch.setenv("DORA_BENCH_JAX_RANKS", "4")
     monkeypatch.setenv("DORA_BENCH_JAX_ROUNDS", "2")
+    monkeypatch.setenv("DORA_BENCH_JAX_LOOP_STEPS", "2")
     monkeypatch.setenv("DORA_BENCH_JAX_PROVIDERS", "jnp_lora,ours_bf16")
     summary = bm.run(tmp_path)
     with open(tmp_path / "model_jax.csv") as f:
@@ -92,3 +98,20 @@ def test_the_tiny_run_times_every_training_step_in_rounds(tmp_path, monkeypatch)
         "ours_bf16 / jnp LoRA bf16, training step (rounds, steps back to back) time [1L r=4]"
         in metrics
     )
+
+
+def test_the_loop_column_runs_loop_steps_back_to_back(monkeypatch):
+    from benchmarks import measure
+
+    seen = []
+
+    def fake(calls, *, rounds, per_round, back_to_back):
+        seen.append((back_to_back, per_round, rounds))
+        return {name: [1.0] * rounds for name in calls}
+
+    monkeypatch.setattr(measure, "jax_time_rounds", fake)
+    monkeypatch.setenv("DORA_BENCH_JAX_ROUNDS", "3")
+    monkeypatch.setenv("DORA_BENCH_JAX_LOOP_STEPS", "7")
+    out = bm._train_rounds({"a": lambda: None})
+    assert set(out) == set(bm.ROUND_KINDS)
+    assert sorted(seen) == [(False, 5, 3), (True, 7, 3)]
