@@ -23,6 +23,7 @@ import argparse
 import pathlib
 import statistics
 
+from benchmarks import measure
 from benchmarks.measure import jax_time_rounds, paired_ratio, write_csv
 
 #: A probe with its own command line: ``make gpu`` (benchmarks/run.py) skips it.
@@ -109,15 +110,10 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--tiny", action="store_true", help="a small layer, interpreted (CPU)")
     ap.add_argument("--ranks", type=int, nargs="+", default=list(RANKS))
     ap.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS))
-    ap.add_argument("--rounds", type=int, default=8)
-    ap.add_argument("--per-round", type=int, default=20, help="calls per round, back to back")
+    measure.add_round_args(ap, rounds=8, per_round=20)
     ap.add_argument("--out", type=pathlib.Path, default=None)
     args = ap.parse_args(argv)
-    for flag in ("rounds", "per_round"):
-        if getattr(args, flag) < 1:
-            ap.error(f"--{flag.replace('_', '-')} must be >= 1; got {getattr(args, flag)}")
-    rows = run(tiny=args.tiny, ranks=args.ranks, tokens=args.tokens, rounds=args.rounds,
-               per_round=args.per_round)  # fmt: skip
+    rows = run(tiny=args.tiny, ranks=args.ranks, tokens=args.tokens, **measure.round_args(ap, args))
     if args.out is not None:
         write_csv(args.out / "compose_impl_jax.csv", rows)
     return rows

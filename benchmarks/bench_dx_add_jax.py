@@ -32,6 +32,7 @@ import pathlib
 import re
 import statistics
 
+from benchmarks import measure
 from benchmarks.measure import jax_time_rounds, paired_ratio, write_csv
 
 #: A probe with its own command line: ``make gpu`` (benchmarks/run.py) skips it.
@@ -125,14 +126,10 @@ def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tiny", action="store_true", help="small shapes (CPU)")
     ap.add_argument("--ranks", type=int, nargs="+", default=[16, 384])
-    ap.add_argument("--rounds", type=int, default=6)
-    ap.add_argument("--per-round", type=int, default=50, help="calls per round, back to back")
+    measure.add_round_args(ap, rounds=6, per_round=50)
     ap.add_argument("--out", type=pathlib.Path, default=None)
     args = ap.parse_args(argv)
-    for flag in ("rounds", "per_round"):
-        if getattr(args, flag) < 1:
-            ap.error(f"--{flag.replace('_', '-')} must be >= 1; got {getattr(args, flag)}")
-    rows = run(tiny=args.tiny, ranks=args.ranks, rounds=args.rounds, per_round=args.per_round)
+    rows = run(tiny=args.tiny, ranks=args.ranks, **measure.round_args(ap, args))
     if args.out is not None:
         write_csv(args.out / "dx_add_jax.csv", rows)
     return rows

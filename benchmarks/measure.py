@@ -128,6 +128,23 @@ def jax_time_rounds(
     return times
 
 
+def add_round_args(ap, *, rounds: int, per_round: int) -> None:
+    """``--rounds`` and ``--per-round`` (calls back to back) of a probe timed by
+    ``jax_time_rounds``; ``round_args`` reads them back, checked."""
+    ap.add_argument("--rounds", type=int, default=rounds)
+    ap.add_argument("--per-round", type=int, default=per_round, help="calls per round, in a row")
+
+
+def round_args(ap, args) -> dict:
+    """``{"rounds": …, "per_round": …}`` from ``add_round_args``' flags; an argparse error
+    (exit 2) naming the flag if either is below 1."""
+    out = {"rounds": args.rounds, "per_round": args.per_round}
+    for name, value in out.items():
+        if value < 1:
+            ap.error(f"--{name.replace('_', '-')} must be >= 1; got {value}")
+    return out
+
+
 def paired_ratio(times: dict[str, list[float]], num: str, den: str) -> float | None:
     """The median over rounds of ``times[num][k] / times[den][k]`` (``jax_time_rounds``'
     rounds); None if either is missing."""
