@@ -34,10 +34,10 @@ session 29); the training steps are therefore also timed in interleaved rounds o
 provider of a rank is compiled (``DORA_BENCH_JAX_ROUNDS`` = 8 rounds, the providers taking
 turns): ``train_rounds_ms`` waits for each of 5 steps (the median per round),
 ``train_loop_ms`` dispatches ``DORA_BENCH_JAX_LOOP_STEPS`` = 20 steps back to back as a
-training loop does (the mean per round: the host's start of the first step, 2-4 ms before
-its first kernel, is spread over them, where 5 steps left 0.3 ms of it in ours' step and
-less in LoRA's; benchmarks/NOTES.md, session 30), and the training-step ratios are medians
-of per-round ratios, the target on ``train_loop_ms``.
+training loop does (the mean per round, over enough steps that the host's start of the
+first one, a few ms before its first kernel, is not a sizeable part of it:
+benchmarks/NOTES.md, session 30), and the training-step ratios are medians of per-round
+ratios, the target on ``train_loop_ms``.
 
     DORA_BENCH_JAX_LAYERS=4 python3 -m benchmarks.run --only model_jax --skip-tests
 """
