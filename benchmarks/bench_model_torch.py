@@ -10,7 +10,10 @@ Providers (the base model is built once and re-wrapped for each, then unwrapped)
     ``autocast_adapter_dtype=True``) / bf16 (``autocast_adapter_dtype=False``);
   - ``peft_dora_fp32`` / ``peft_dora_bf16``: PEFT DoRA, the same two settings;
   - ``ours_fp32`` / ``ours_bf16``: the PEFT DoRA model of that setting run through
-    ``dora_torch.accelerate_peft``.
+    ``dora_torch.accelerate_peft``;
+  - ``ours_recompute_fp32`` / ``ours_recompute_bf16`` (asked for by name, not in the default
+    list): ``ours_fp32`` / ``ours_bf16`` with ``recompute_modules=RECOMPUTE_MODULES``, the
+    layers ``work_floor.cheapest_recompute`` picks for a batch-4 peak ≤ 1.05× PEFT LoRA's.
 
 Modes: ``eager``, ``compile`` (``torch.compile(model)``) and ``reduce-overhead``
 (``torch.compile(model, mode="reduce-overhead")``, CUDA graphs). The optimizer step stays
@@ -37,7 +40,7 @@ Metrics, medians of CUDA-event-timed calls after warm-up:
 Environment defaults for ``benchmarks.run``: ``DORA_BENCH_LAYERS`` (8), ``DORA_BENCH_RANKS``
 ("16,384"), ``DORA_BENCH_BATCHES`` ("1,4"), ``DORA_BENCH_MODES``
 ("eager,compile,reduce-overhead"), ``DORA_BENCH_OPTIMS`` ("foreach,fused"),
-``DORA_BENCH_PROVIDERS`` (all).
+``DORA_BENCH_PROVIDERS`` (all but ``ours_recompute_bf16``).
 """
 
 from __future__ import annotations
@@ -67,7 +70,13 @@ PROVIDERS = {
     "peft_dora_bf16": (True, False, False),
     "ours_fp32": (True, True, True),
     "ours_bf16": (True, False, True),
+    "ours_recompute_fp32": (True, True, True),
+    "ours_recompute_bf16": (True, False, True),
 }
+#: accelerate_peft's recompute_modules per provider (work_floor.cheapest_recompute, batch 4).
+RECOMPUTE_MODULES = ("q_proj", "k_proj", "o_proj")
+RECOMPUTE = {"ours_recompute_fp32": RECOMPUTE_MODULES, "ours_recompute_bf16": RECOMPUTE_MODULES}
+DEFAULT_PROVIDERS = [p for p in PROVIDERS if p not in RECOMPUTE]
 MODES = ("eager", "compile", "reduce-overhead")
 TRACE_STEP = "train_step"  # the profiler range around each profiled step
 OPTIMS = ("foreach", "fused")
@@ -143,7 +152,7 @@ def _wrap(base, name: str, rank: int):
     if ours:
         import dora_torch
 
-        dora_torch.accelerate_peft(model)
+        dora_torch.accelerate_peft(model, recompute_modules=RECOMPUTE.get(name))
     return model
 
 
@@ -498,18 +507,23 @@ def _summary(rows: list[dict]) -> list[dict]:
     for (prov, mode, optim, rank, batch), r in index.items():
         if not prov.startswith("ours"):
             continue
-        setting = prov.split("_")[1]
+        ours, setting = prov.rsplit("_", 1)
         tag = f"r={rank} b={batch} {mode} {optim} {setting}-adapters"
         lora = index.get((f"peft_lora_{setting}", mode, optim, rank, batch))
         dora = index.get((f"peft_dora_{setting}", mode, optim, rank, batch))
         if lora:
             out.append(
-                dict(bench="model_torch", metric=f"ours/LoRA train [{tag}]",
+                dict(bench="model_torch", metric=f"{ours}/LoRA train [{tag}]",
                      value=r["train_ms"] / lora["train_ms"])
             )  # fmt: skip
+            if isinstance(r.get("train_peak_gib"), float) and lora.get("train_peak_gib"):
+                out.append(
+                    dict(bench="model_torch", metric=f"{ours}/LoRA peak memory [{tag}]",
+                         value=r["train_peak_gib"] / lora["train_peak_gib"])
+                )  # fmt: skip
         if dora:
             out.append(
-                dict(bench="model_torch", metric=f"DoRA/ours train [{tag}]",
+                dict(bench="model_torch", metric=f"DoRA/{ours} train [{tag}]",
                      value=dora["train_ms"] / r["train_ms"])
             )  # fmt: skip
     return out
@@ -524,7 +538,7 @@ def run(out_dir: pathlib.Path) -> list[dict]:
         batches=[int(v) for v in _env_list("DORA_BENCH_BATCHES", "1,4")],
         modes=_env_list("DORA_BENCH_MODES", ",".join(MODES)),
         optims=_env_list("DORA_BENCH_OPTIMS", ",".join(OPTIMS)),
-        providers=_env_list("DORA_BENCH_PROVIDERS", ",".join(PROVIDERS)),
+        providers=_env_list("DORA_BENCH_PROVIDERS", ",".join(DEFAULT_PROVIDERS)),
     )
 
 
@@ -537,7 +551,7 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     ap.add_argument("--optims", nargs="+", default=list(OPTIMS), choices=OPTIMS)
-    ap.add_argument("--providers", nargs="+", default=list(PROVIDERS), choices=list(PROVIDERS))
+    ap.add_argument("--providers", nargs="+", default=DEFAULT_PROVIDERS, choices=list(PROVIDERS))
     ap.add_argument(
         "--profile", nargs="*", default=[],
         help="providers to profile in each mode, after timing it (a profiled process times "

@@ -65,6 +65,7 @@ VARIANTS = {
     "ours_no_norm_pass": ("ours", {"NORM_PASS_MAX_RANK": 0}),
     "ours_fp32_gemm_assembly": ("ours", {"NORM_GEMM_BF16X3": False}),
     "ours_static_launch": ("ours", {}),
+    "ours_recompute": ("ours_recompute", {}),  # recompute_modules (bench_model_torch.RECOMPUTE)
     "peft_dora": ("peft_dora", {}),
 }
 #: Inductor options of the compiled variants (``torch.compile(..., options=...)``).

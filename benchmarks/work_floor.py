@@ -28,12 +28,21 @@ reads W and does the norm's FLOPs in one GEMM, so it takes the slower of the two
 (``norm_ms``), not their sum (which sessions 15-29 used: it overstated the r = 384 floors,
 where U is compute-bound, by up to 1.5%).
 
+Memory has an account of the same kind. DoRA's magnitude gradient needs Σ_t dy ⊙ inner per
+output feature, inner = x Wᵀ + s·h Bᵀ [tokens, d_out]; without recomputing a GEMM of the
+forward's size the step must keep that tensor until its backward. Where the next op keeps the
+same tensor for its own backward (gate and up, before SiLU and the product) it costs nothing;
+where it does not (q, k, v, o, down of a Llama decoder layer) it is memory LoRA does not hold
+(``kept_bytes``). ``cheapest_recompute`` lists, for a memory target, the layers whose
+``recompute_inner`` frees enough of it for the fewest FLOPs.
+
     python3 -m benchmarks.work_floor
 """
 
 from __future__ import annotations
 
 import csv
+import itertools
 import pathlib
 from dataclasses import dataclass
 
@@ -115,6 +124,61 @@ LLAMA_8B_PROJECTIONS = (
     (4096, 4096), (1024, 4096), (1024, 4096), (4096, 4096),
     (14336, 4096), (14336, 4096), (4096, 14336),
 )  # fmt: skip
+
+
+#: The seven projections' names, in LLAMA_8B_PROJECTIONS' order.
+LLAMA_8B_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+#: Those whose output no later op of a transformers Llama decoder layer keeps for its own
+#: backward: q and k before RoPE (which keeps cos and sin), v before repeat_kv's copy, o and
+#: down before a residual add. SiLU keeps gate's output and the product keeps up's.
+LLAMA_UNKEPT = ("q_proj", "k_proj", "v_proj", "o_proj", "down_proj")
+GIB = 2.0**30
+
+
+def kept_bytes(tokens: int, layers: int = 8, recomputed=(), itemsize: int = 2) -> int:
+    """Bytes an exact DoRA step keeps beyond LoRA's until backward (the bench model: Llama-8B
+    decoder layers, DoRA on all seven projections): every unkept projection's inner
+    [tokens, d_out], except those in ``recomputed`` (``recompute_inner``). The [d_out] norms
+    (~0.4 MiB per step) are left out."""
+    shapes = dict(zip(LLAMA_8B_NAMES, LLAMA_8B_PROJECTIONS, strict=True))
+    per_token = sum(shapes[n][0] for n in LLAMA_UNKEPT if n not in recomputed)
+    return layers * tokens * per_token * itemsize
+
+
+def recompute_flops(tokens: int, recomputed, layers: int = 8) -> int:
+    """The GEMMs ``recompute_inner`` adds per step: x·Wᵀ again for every recomputed layer
+    (2·tokens·d_in·d_out; the r-wide h·Bᵀ beside it is left out)."""
+    shapes = dict(zip(LLAMA_8B_NAMES, LLAMA_8B_PROJECTIONS, strict=True))
+    return layers * sum(2 * tokens * shapes[n][1] * shapes[n][0] for n in recomputed)
+
+
+def cheapest_recompute(lora_peak_gib: float, target: float, tokens: int, layers: int = 8):
+    """The set of unkept projections whose recomputation brings the step's peak over
+    weights to ≤ ``target`` × LoRA's (``lora_peak_gib`` measured, ``kept_bytes`` added) for
+    the fewest FLOPs: (names, FLOPs), or None when even all five are not enough."""
+    best = None
+    for k in range(len(LLAMA_UNKEPT) + 1):
+        for names in itertools.combinations(LLAMA_UNKEPT, k):
+            peak = lora_peak_gib + kept_bytes(tokens, layers, names) / GIB
+            flops = recompute_flops(tokens, names, layers)
+            if peak <= target * lora_peak_gib and (best is None or flops < best[1]):
+                best = (names, flops)
+    return best
+
+
+def model_peak_gib(csv_name: str, provider: str, rank: int, batch: int) -> float:
+    """``train_peak_gib`` of the eager AdamW-foreach row of a ``bench_model_torch`` CSV."""
+    with open(RESULTS / csv_name, newline="") as f:
+        for row in csv.DictReader(f):
+            if (row["provider"], row["mode"], row["optim"], row["rank"], row["batch"]) == (
+                provider, "eager", "foreach", str(rank), str(batch)
+            ):  # fmt: skip
+                return float(row["train_peak_gib"])
+    raise KeyError(f"no {provider} eager r={rank} batch-{batch} row in {csv_name}")
+
+
+#: Issue 10's peak-memory target (≤ 1.05× PEFT LoRA, batch 4 × 2048): the run measuring it.
+TORCH_MEMORY_TARGET = (16, 4, "model_torch_fused_run80.csv")
 
 
 def model_layers(r: int, tokens: int = 0, layers: int = 8) -> list[Layer]:
@@ -238,6 +302,26 @@ def main() -> None:
             bound = naive_bound(naive, lora, floor)
             line += f"; naive / ours {naive / ours:.3f}×, at most {bound:.3f}× at the floor"
         print(line + f" ({csv_name})")
+    r, batch, csv_name = TORCH_MEMORY_TARGET
+    lora = model_peak_gib(csv_name, "peft_lora_bf16", r, batch)
+    ours = model_peak_gib(csv_name, "ours_bf16", r, batch)
+    tokens = batch * 2048
+    floor = (lora + kept_bytes(tokens) / GIB) / lora
+    line = (
+        f"torch model, peak memory over weights, batch {batch} × 2048, r = {r} (issue 10; target "
+        f"≤ 1.05×): PEFT LoRA {lora:.2f} GiB, kept without recomputing +"
+        f"{kept_bytes(tokens) / GIB:.3f} GiB = {floor:.3f}×, ours {ours / lora:.3f}×"
+    )
+    plan = cheapest_recompute(lora, 1.05, tokens)
+    if plan is not None:
+        names, flops = plan
+        left = kept_bytes(tokens, recomputed=names) / GIB
+        line += (
+            f"; ≤ 1.05× with recompute_modules={list(names)}: {(lora + left) / lora:.3f}×, "
+            f"+{flops / 1e12:.2f} TFLOP = +{flops / (GEMM_TFLOPS * 1e12) * 1e3:.1f} ms a step "
+            f"at {GEMM_TFLOPS:.0f} TFLOP/s"
+        )
+    print(line + f" ({csv_name})")
     for r in (16, 384):
         flops = model_norm_flops(r)
         print(

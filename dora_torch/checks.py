@@ -127,6 +127,29 @@ def check_chunk(chunk_size) -> int | None:
     return chunk_size
 
 
+def check_bool(value, name: str) -> bool:
+    """A real bool (not 0/1 or a string, which would silently mean something else)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool; got {value!r}")
+    return value
+
+
+def check_module_selection(selection, name: str):
+    """None, a regex string, or a sequence of module-name strings (PEFT's ``target_modules``
+    forms, matched by ``shared_spec.peft_format.matches_target``)."""
+    if selection is None or isinstance(selection, str):
+        return selection
+    try:
+        names = list(selection)
+    except TypeError:
+        names = None
+    if names is None or not all(isinstance(n, str) for n in names):
+        raise TypeError(
+            f"{name} must be None, a regex string or a sequence of module names; got {selection!r}"
+        )
+    return names
+
+
 IMPLS = ("auto", "fused", "eager")
 
 

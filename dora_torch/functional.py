@@ -35,6 +35,7 @@ def dora_linear(
     exact_norm_grad: bool = False,
     norm: torch.Tensor | None = None,
     base_sq: torch.Tensor | None = None,
+    recompute_inner: bool = False,
 ) -> torch.Tensor:
     """DoRA linear: ``y = g ⊙ (x Wᵀ + s·(x Aᵀ) Bᵀ) + bias`` with g = m / max(‖W + s·B·A‖, eps).
 
@@ -55,6 +56,11 @@ def dora_linear(
         for float64 inputs); ignored with exact_norm_grad.
       base_sq: optional cached ‖W_i‖² [d_out] in the compute dtype, used when the norm is
         computed here.
+      recompute_inner: keep nothing [tokens, d_out] for the magnitude gradient; backward
+        recomputes x Wᵀ + s·(x Aᵀ) Bᵀ instead (one GEMM of the base product's size), so the
+        layer keeps what a LoRA layer keeps. Worth it where the next op does not keep this
+        layer's output (docs/design.md §4). Results are the default path's (dm within
+        its rounding).
 
     Returns [..., d_out] in x's dtype. Norm, composition and reductions run in
     promote(fp32, x's dtype): float64 inputs give float64-accurate results.
@@ -63,9 +69,11 @@ def dora_linear(
     checks.check_input(x, weight)
     s = checks.check_scaling(scaling)
     p = checks.check_dropout(dropout_p, "dropout_p")
+    recompute = checks.check_bool(recompute_inner, "recompute_inner")
     return _dora_linear(
         x, weight, lora_A, lora_B, magnitude, s, bias, dropout_p=p, training=training,
         impl=impl, exact_norm_grad=exact_norm_grad, norm=norm, base_sq=base_sq,
+        recompute_inner=recompute,
     )[0]  # fmt: skip
 
 
@@ -84,6 +92,7 @@ def module_dora_linear(
     training: bool = False,
     impl: str = "auto",
     exact_norm_grad: bool = False,
+    recompute_inner: bool = False,
 ) -> tuple[torch.Tensor, str]:
     """``dora_linear`` for a module that owns ``cache`` (``dora_torch.Linear`` and PEFT layers
     under ``accelerate_peft``), with arguments the module validated when it was built. Eager
@@ -99,6 +108,7 @@ def module_dora_linear(
         return _dora_linear(
             x, weight, lora_A, lora_B, magnitude, scaling, bias, dropout_p=dropout_p,
             training=training, impl=impl, exact_norm_grad=True, base_sq=base_sq,
+            recompute_inner=recompute_inner,
         )  # fmt: skip
     if compiling:
         norm = getattr(module, DORA_NORM_BUFFER, None) if not module.training else None
@@ -110,13 +120,14 @@ def module_dora_linear(
         return _dora_linear(
             x, weight, lora_A, lora_B, magnitude, scaling, bias, dropout_p=dropout_p,
             training=training, impl=impl, norm=norm, base_sq=base_sq,
+            recompute_inner=recompute_inner,
         )  # fmt: skip
     tier = resolve_impl(impl, x, weight.shape[0])
     if torch.is_autocast_enabled(x.device.type):  # the activation dtype is chosen inside
         norm = cache.norm(weight, lora_A, lora_B, scaling, impl=tier)
         return _dora_linear(
             x, weight, lora_A, lora_B, magnitude, scaling, bias, dropout_p=dropout_p,
-            training=training, impl=impl, norm=norm,
+            training=training, impl=impl, norm=norm, recompute_inner=recompute_inner,
         )  # fmt: skip
     computed = cache.norm_computations
     norm, a, b = cache.state(weight, lora_A, lora_B, scaling, impl=tier, dtype=x.dtype)
@@ -124,7 +135,8 @@ def module_dora_linear(
         write_norm_buffer(module, norm)  # eager eval calls keep the compiled graphs' copy fresh
     # The cache's entry is the norm of this tier and dtype: straight to the products.
     y = _run(x, weight, lora_A, lora_B, magnitude, norm, scaling, bias, tier=tier,
-             dropout_p=dropout_p, training=training, adapters=(a, b))  # fmt: skip
+             dropout_p=dropout_p, training=training, adapters=(a, b),
+             recompute_inner=recompute_inner)  # fmt: skip
     return y, tier
 
 
@@ -143,6 +155,7 @@ def _dora_linear(
     exact_norm_grad=False,
     norm=None,
     base_sq=None,
+    recompute_inner=False,
 ) -> tuple[torch.Tensor, str]:
     """The layer on validated arguments; also returns the tier that ran."""
     if torch.is_autocast_enabled(x.device.type):
@@ -154,6 +167,7 @@ def _dora_linear(
                 x.to(dt), weight.to(dt), lora_A, lora_B, magnitude, scaling,
                 None if bias is None else bias.to(dt), dropout_p=dropout_p, training=training,
                 impl=impl, exact_norm_grad=exact_norm_grad, norm=norm, base_sq=base_sq,
+                recompute_inner=recompute_inner,
             )  # fmt: skip
     d_out = weight.shape[0]
     tier = resolve_impl(impl, x, d_out)
@@ -173,18 +187,19 @@ def _dora_linear(
             )
         n = norm.detach()
     y = _run(x, weight, lora_A, lora_B, magnitude, n, scaling, bias, tier=tier,
-             dropout_p=dropout_p, training=training)  # fmt: skip
+             dropout_p=dropout_p, training=training, recompute_inner=recompute_inner)  # fmt: skip
     return y, tier
 
 
 def _run(
     x, weight, lora_A, lora_B, magnitude, n, scaling, bias, *, tier, dropout_p, training,
-    adapters=None,
+    adapters=None, recompute_inner=False,
 ):  # fmt: skip
     """The products and the composition on validated arguments: ``tier`` resolved ("fused" |
     "eager"), n the norm [d_out] in the compute dtype (detached unless exact_norm_grad made
     it), ``adapters`` optional (a, b): lora_A and lora_B already cast to x's dtype and
-    detached (a module cache's). Returns y."""
+    detached (a module cache's); ``recompute_inner``: save nothing [T, d_out] for backward
+    (``ops.SAVE_RECOMPUTE``). Returns y."""
     d_out, d_in = weight.shape
     lead = x.shape[:-1]
     x2 = x.reshape(-1, d_in)
@@ -199,6 +214,8 @@ def _run(
     )
     if not needs_grad:
         save = ops.SAVE_NONE
+    elif recompute_inner:
+        save = ops.SAVE_RECOMPUTE
     elif tier == "fused" and bias is None and x_d is None and x.dtype != torch.float16:
         save = ops.SAVE_RECOVER  # see ops: when recovering inner from y is sound
     else:

@@ -47,7 +47,10 @@ class Linear(nn.Module):
     Keyword options: r, lora_alpha, use_rslora, lora_dropout (PEFT semantics), bias,
     device, dtype (of the base weight/bias), adapter_dtype (default None: PEFT's rule, the
     base dtype except fp32 on fp16/bf16 bases), impl ("auto" | "fused" | "eager"),
-    exact_norm_grad. ``last_impl`` records the tier of the last call (eager calls).
+    exact_norm_grad, recompute_inner (keep no [tokens, out_features] tensor for the
+    magnitude gradient: backward recomputes the product instead, one more GEMM of the base
+    product's size; for layers whose output the next op does not keep, see README "Memory").
+    ``last_impl`` records the tier of the last call (eager calls).
     Every argument is validated before anything is built or frozen.
     """
 
@@ -66,9 +69,10 @@ class Linear(nn.Module):
         adapter_dtype: torch.dtype | None = None,
         impl: str = "auto",
         exact_norm_grad: bool = False,
+        recompute_inner: bool = False,
     ):
         super().__init__()
-        _validate(r, lora_alpha, use_rslora, lora_dropout, adapter_dtype, impl)
+        _validate(r, lora_alpha, use_rslora, lora_dropout, adapter_dtype, impl, recompute_inner)
         base = nn.Linear(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self._setup(
             base.weight,
@@ -80,6 +84,7 @@ class Linear(nn.Module):
             adapter_dtype=adapter_dtype,
             impl=impl,
             exact_norm_grad=exact_norm_grad,
+            recompute_inner=recompute_inner,
         )
 
     @classmethod
@@ -94,6 +99,7 @@ class Linear(nn.Module):
         adapter_dtype: torch.dtype | None = None,
         impl: str = "auto",
         exact_norm_grad: bool = False,
+        recompute_inner: bool = False,
     ) -> Linear:
         """Wrap an existing ``nn.Linear``: its weight and bias Parameters are shared (not
         copied) and frozen. Atomic: a bad argument raises before ``linear`` is touched."""
@@ -101,7 +107,7 @@ class Linear(nn.Module):
             raise TypeError(f"linear must be a torch.nn.Linear; got {type(linear).__name__}")
         if linear.weight.dtype not in checks.FLOAT_DTYPES:
             raise TypeError(f"linear.weight must be floating point; got {linear.weight.dtype}")
-        _validate(r, lora_alpha, use_rslora, lora_dropout, adapter_dtype, impl)
+        _validate(r, lora_alpha, use_rslora, lora_dropout, adapter_dtype, impl, recompute_inner)
         self = cls.__new__(cls)
         nn.Module.__init__(self)
         self._setup(
@@ -114,6 +120,7 @@ class Linear(nn.Module):
             adapter_dtype=adapter_dtype,
             impl=impl,
             exact_norm_grad=exact_norm_grad,
+            recompute_inner=recompute_inner,
         )
         return self
 
@@ -129,12 +136,14 @@ class Linear(nn.Module):
         adapter_dtype,
         impl,
         exact_norm_grad,
+        recompute_inner,
     ):
         self.scaling = scaling_for(r, lora_alpha, use_rslora)
         self.r, self.lora_alpha, self.use_rslora = r, lora_alpha, use_rslora
         self.lora_dropout = checks.check_dropout(lora_dropout)
         self.impl = checks.check_impl(impl)
         self.exact_norm_grad = bool(exact_norm_grad)
+        self.recompute_inner = recompute_inner
         self.out_features, self.in_features = weight.shape
         kw = {
             "device": weight.device,
@@ -174,6 +183,7 @@ class Linear(nn.Module):
             f"in_features={self.in_features}, out_features={self.out_features}, r={self.r}, "
             f"lora_alpha={self.lora_alpha}, use_rslora={self.use_rslora}, "
             f"lora_dropout={self.lora_dropout}, bias={self.bias is not None}, impl={self.impl!r}"
+            + (", recompute_inner=True" if self.recompute_inner else "")
         )
 
     def norm(self, *, impl: str = "auto") -> torch.Tensor:
@@ -206,6 +216,7 @@ class Linear(nn.Module):
             training=self.training,
             impl=self.impl,
             exact_norm_grad=self.exact_norm_grad,
+            recompute_inner=self.recompute_inner,
         )
         if not torch.compiler.is_compiling():
             self.last_impl = tier
@@ -250,9 +261,10 @@ class Linear(nn.Module):
         cache.track_mode(self)
 
 
-def _validate(r, lora_alpha, use_rslora, lora_dropout, adapter_dtype, impl) -> None:
+def _validate(r, lora_alpha, use_rslora, lora_dropout, adapter_dtype, impl, recompute_inner):
     """Every constructor argument, before anything is built or frozen (named errors)."""
     scaling_for(r, lora_alpha, use_rslora)
+    checks.check_bool(recompute_inner, "recompute_inner")
     checks.check_dropout(lora_dropout)
     checks.check_adapter_dtype(adapter_dtype)
     checks.check_impl(impl)

@@ -28,6 +28,13 @@ What is saved for backward (``opts.save``):
                 inner; the kernel that finishes dm recomputes it from x, W, h, B there,
                 without a host sync. Modifying y in place before backward raises autograd's
                 "modified by an inplace operation" error (a test pins this).
+  SAVE_RECOMPUTE nothing new: backward recomputes inner = x_d Wᵀ + s·h Bᵀ from x_d (or x),
+                W, h and B, which it keeps anyway, in one [T, d_out] buffer that lives only
+                during this layer's backward: one more GEMM of the base product's size, in
+                exchange for LoRA's saved tensors exactly (``recompute_inner``; for layers
+                whose output the next op does not keep, where SAVE_RECOVER holds y alive
+                only for this backward). Rounded like SAVE_INNER's inner (fp32 sum, one
+                rounding; the eager tier rounds s·h Bᵀ first, as its forward does).
 Never saved: the dense B·A, fp32 copies of anything [T, d_out].
 
 Gradients (detached norm, docs/design.md §4), dy_g = g ⊙ dy, t = dy_g B:
@@ -47,7 +54,7 @@ from . import config
 from .compose import compose, compose_dropout, magnitude_scale, magnitude_scale_minus_one
 from .matmul import addmm_inplace, as_dtype, compute_dtype, scaled_mm
 
-SAVE_NONE, SAVE_INNER, SAVE_RECOVER = 0, 1, 2
+SAVE_NONE, SAVE_INNER, SAVE_RECOVER, SAVE_RECOMPUTE = 0, 1, 2, 3
 
 
 @dataclass(frozen=True)
@@ -104,11 +111,26 @@ def forward_core(x, x_d, weight, a, b, magnitude, norm, bias, opts: LinearOption
         y = compose(base, lora, magnitude, norm, scaling, bias)
     else:
         y = compose_dropout(base, base_d, lora, magnitude, norm, scaling, bias)
-    inner = None
-    if opts.save == SAVE_INNER:
-        acc = compute_dtype(x.dtype)
-        inner = (base_d.to(acc) + scaling * lora.to(acc)).to(x.dtype)
+    inner = _eager_inner(base_d, lora, scaling) if opts.save == SAVE_INNER else None
     return y, h, inner
+
+
+def _eager_inner(base_d, lora, scaling):
+    """The eager tier's inner = base_d + s·lora: summed in the compute dtype, rounded once to
+    the activation dtype (lora = h Bᵀ already rounded to it)."""
+    acc = compute_dtype(base_d.dtype)
+    return (base_d.to(acc) + scaling * lora.to(acc)).to(base_d.dtype)
+
+
+def recompute_inner(x_in, weight, h, b, opts: LinearOptions):
+    """inner = x_in Wᵀ + s·h Bᵀ in the activation dtype, as the forward of ``opts.impl``
+    rounds it (SAVE_RECOMPUTE): the fused tier in one cuBLAS call with beta = 1 over the base
+    product (fp32 accumulation, one rounding, as the compose kernel stores it), the eager tier
+    by ``_eager_inner``."""
+    base_d = torch.mm(x_in, weight.t())
+    if opts.impl == "fused":
+        return addmm_inplace(base_d, h, b.t(), opts.scaling)
+    return _eager_inner(base_d, torch.mm(h, b.t()), opts.scaling)
 
 
 # ------------------------------------------------------------------------------ backward
@@ -125,6 +147,8 @@ def backward_core(
     need_dbias = need_dbias and bias is not None  # a frozen bias (the usual case) costs nothing
     if dy.dtype != dt:
         dy = dy.to(dt)
+    if opts.save == SAVE_RECOMPUTE:
+        saved = recompute_inner(x_d if dropout else x, weight, h, b, opts)
     if opts.impl == "fused":
         from .kernels.backward import scale_reduce
 

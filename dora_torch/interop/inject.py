@@ -11,13 +11,14 @@ same layers, with the same shapes and scales, as ``get_peft_model`` with the sam
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 import torch
 from torch import nn
 
 from shared_spec import peft_format as pf
 
+from ..checks import check_module_selection
 from ..layer import Linear
 from ..norm_group import group_norms
 
@@ -62,6 +63,7 @@ def inject(
     alpha_pattern: Mapping[str, float] | None = None,
     freeze_base: bool = True,
     adapter_dtype: torch.dtype | None = None,
+    recompute_modules: str | Sequence[str] | None = None,
 ) -> nn.Module:
     """Replace every ``nn.Linear`` of ``model`` that ``target_modules`` selects by a
     ``dora_torch.Linear`` wrapping it (weight and bias shared, not copied); in place.
@@ -72,9 +74,15 @@ def inject(
     (``lora_A``, ``lora_B``, ``lora_magnitude_vector``) stops requiring grad.
     adapter_dtype: the adapters' dtype; None (default) is PEFT's rule, applied by
     ``Linear.from_linear``: the base layer's dtype, but fp32 on fp16/bf16 bases.
+    recompute_modules: None, or module names / a regex in ``target_modules``' forms, selecting
+    among the adapted layers those built with ``recompute_inner=True`` (their backward
+    recomputes the layer's product instead of keeping a [tokens, out_features] tensor; for
+    layers whose output the next op does not keep, README "Memory").
     Everything is checked before the model is touched: ValueError if nothing
-    matches or a match is not a plain ``nn.Linear``. Returns ``model``.
+    matches, a match is not a plain ``nn.Linear``, or ``recompute_modules`` selects none of
+    the adapted layers. Returns ``model``.
     """
+    recompute_modules = check_module_selection(recompute_modules, "recompute_modules")
     config = pf.AdapterConfig(
         r=r,
         lora_alpha=lora_alpha,
@@ -82,13 +90,23 @@ def inject(
         rank_pattern=dict(rank_pattern or {}),
         alpha_pattern=dict(alpha_pattern or {}),
     )
+    targets = _targets(model, target_modules)
+    recompute = set()
+    if recompute_modules is not None:
+        recompute = {p for p in targets if pf.matches_target(recompute_modules, p)}
+        if not recompute:
+            raise ValueError(
+                f"recompute_modules={recompute_modules!r} selects none of the {len(targets)} "
+                f"layers target_modules adapts (first: {list(targets)[:4]})"
+            )
     return inject_from_config(
         model,
         config,
-        _targets(model, target_modules),
+        targets,
         lora_dropout=lora_dropout,
         freeze_base=freeze_base,
         adapter_dtype=adapter_dtype,
+        recompute=recompute,
     )
 
 
@@ -100,9 +118,11 @@ def inject_from_config(
     lora_dropout: float,
     freeze_base: bool,
     adapter_dtype: torch.dtype | None,
+    recompute: Collection[str] = (),
 ) -> nn.Module:
     """Adapt exactly ``targets`` (path → nn.Linear) with each path's rank and alpha from
-    ``config``. New layers are all built before the first one is installed."""
+    ``config``, the paths in ``recompute`` with ``recompute_inner``. New layers are all built
+    before the first one is installed."""
     new = {
         path: Linear.from_linear(
             lin,
@@ -111,6 +131,7 @@ def inject_from_config(
             use_rslora=config.use_rslora,
             lora_dropout=lora_dropout,
             adapter_dtype=adapter_dtype,
+            recompute_inner=path in recompute,
         )
         for path, lin in targets.items()
     }

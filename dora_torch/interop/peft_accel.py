@@ -30,13 +30,16 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from shared_spec.peft_format import matches_target
+
 from .. import cache
-from ..checks import FLOAT_DTYPES, check_impl
+from ..checks import FLOAT_DTYPES, check_impl, check_module_selection
 from ..functional import module_dora_linear
 from ..norm_group import group_norms
 
 REPORT_ATTR = "dora_acceleration_report"
 IMPL_ATTR = "_dora_impl"  # the tier accelerate_peft was asked for ("auto" | "fused" | "eager")
+RECOMPUTE_ATTR = "_dora_recompute_inner"  # selected by accelerate_peft's recompute_modules
 
 
 @dataclass
@@ -175,6 +178,7 @@ def _accelerated_forward(self, x, *args, **kwargs):
         dropout_p=drop.p if isinstance(drop, nn.Dropout) else 0.0,
         training=self.training,
         impl=state[IMPL_ATTR],
+        recompute_inner=state[RECOMPUTE_ATTR],
     )
     if not torch.compiler.is_compiling():
         state["last_impl"] = tier
@@ -192,7 +196,9 @@ def _is_accelerated(module) -> bool:
     return getattr(fwd, "__func__", None) is _accelerated_forward
 
 
-def accelerate_peft(peft_model: nn.Module, *, impl: str = "auto") -> nn.Module:
+def accelerate_peft(
+    peft_model: nn.Module, *, impl: str = "auto", recompute_modules=None
+) -> nn.Module:
     """Make every eligible PEFT DoRA ``lora.Linear`` of ``peft_model`` compute with dora_torch.
 
     In place; returns ``peft_model`` with an ``AccelerationReport`` attached as
@@ -200,20 +206,38 @@ def accelerate_peft(peft_model: nn.Module, *, impl: str = "auto") -> nn.Module:
     there and in a warning. Each accelerated layer records the tier of its last eager call
     in ``last_impl`` ("fused", "eager", or "peft" when that call fell back to PEFT's path).
     ``impl`` ("auto" | "fused" | "eager") forces a tier, as ``dora_torch.Linear``'s does.
-    Calling it again is harmless (it updates ``impl``). Raises ValueError if the model has
-    no PEFT LoRA layer at all.
+    ``recompute_modules`` (None, or PEFT's ``target_modules`` forms: module names or a regex)
+    selects the layers that run with ``recompute_inner`` (``dora_torch.Linear``): their
+    backward recomputes the layer's product instead of keeping a [tokens, out_features]
+    tensor, for layers whose output the next op does not keep (README, "Memory").
+    Calling it again is harmless (it updates ``impl`` and the selection). Raises ValueError
+    if the model has no PEFT LoRA layer at all, or if ``recompute_modules`` selects no layer
+    that is accelerated; nothing is changed then.
     """
     check_impl(impl)
+    recompute_modules = check_module_selection(recompute_modules, "recompute_modules")
     LoraLayer, LoraLinear, DoraLinearVariant = _peft_classes()
     report = AccelerationReport()
+    eligible = {}
     for name, module in peft_model.named_modules():
         if not isinstance(module, LoraLayer):
             continue
         why = _why_not(module, LoraLinear, DoraLinearVariant)
-        if why is not None:
+        if why is None:
+            eligible[name] = module
+        else:
             report.skipped[name] = why
-            continue
+    recompute = set()
+    if recompute_modules is not None:
+        recompute = {n for n in eligible if matches_target(recompute_modules, n)}
+        if not recompute:
+            raise ValueError(
+                f"recompute_modules={recompute_modules!r} selects none of the {len(eligible)} "
+                f"layers accelerate_peft accelerates (first: {list(eligible)[:4]})"
+            )
+    for name, module in eligible.items():
         setattr(module, IMPL_ATTR, impl)
+        setattr(module, RECOMPUTE_ATTR, name in recompute)
         if not _is_accelerated(module):
             module.last_impl = None
             module.forward = types.MethodType(_accelerated_forward, module)
@@ -240,7 +264,7 @@ def restore_peft(peft_model: nn.Module) -> nn.Module:
             del module.forward
             del module.train
             cache.detach_cache(module)
-            for attr in (IMPL_ATTR, "last_impl"):
+            for attr in (IMPL_ATTR, RECOMPUTE_ATTR, "last_impl"):
                 module.__dict__.pop(attr, None)
     if REPORT_ATTR in peft_model.__dict__:
         delattr(peft_model, REPORT_ATTR)

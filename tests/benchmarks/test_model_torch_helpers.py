@@ -4,6 +4,7 @@ the dummy optimizer really invalidates a cached norm."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -33,3 +34,26 @@ def test_the_invalidator_makes_a_cached_norm_stale(monkeypatch):
         layer(x)
     assert cache.optimizer_steps() == before + 1
     assert computed  # recomputed (by the step's eval-mode refresh or by the call)
+
+
+def test_the_recompute_provider_takes_work_floors_cheapest_set_and_is_summarised():
+    """``ours_recompute_bf16`` recomputes the layers ``work_floor.cheapest_recompute`` picks
+    for issue 10's batch-4 memory target, and the summary names it apart from ``ours``."""
+    from benchmarks import bench_model_torch as bm
+    from benchmarks import work_floor as wf
+
+    r, batch, csv_name = wf.TORCH_MEMORY_TARGET
+    lora = wf.model_peak_gib(csv_name, "peft_lora_bf16", r, batch)
+    names, _ = wf.cheapest_recompute(lora, 1.05, tokens=batch * bm.SEQ)
+    assert set(bm.RECOMPUTE["ours_recompute_bf16"]) == set(names)
+    assert "ours_recompute_bf16" not in bm.DEFAULT_PROVIDERS
+    row = dict(mode="eager", optim="foreach", rank=16, batch=4)
+    rows = [
+        {**row, "provider": "peft_lora_bf16", "train_ms": 100.0, "train_peak_gib": 10.0},
+        {**row, "provider": "ours_bf16", "train_ms": 101.0, "train_peak_gib": 11.2},
+        {**row, "provider": "ours_recompute_bf16", "train_ms": 104.0, "train_peak_gib": 10.4},
+    ]
+    got = {s["metric"].split(" [")[0]: s["value"] for s in bm._summary(rows)}
+    assert got["ours/LoRA train"] == pytest.approx(1.01)
+    assert got["ours_recompute/LoRA train"] == pytest.approx(1.04)
+    assert got["ours_recompute/LoRA peak memory"] == pytest.approx(1.04)

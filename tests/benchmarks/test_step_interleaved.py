@@ -18,7 +18,7 @@ def test_eager_runs_every_variant_without_inductor_options():
 @pytest.mark.parametrize("mode", ["compile", "reduce-overhead"])
 def test_compiled_modes_run_only_variants_without_config_overrides(mode):
     got = variants_for(mode)
-    assert got == ["peft_lora", "ours", "ours_static_launch", "peft_dora"]
+    assert got == ["peft_lora", "ours", "ours_static_launch", "ours_recompute", "peft_dora"]
     assert variants_for(mode, {"peft_lora", "ours", "ours_layer_norms"}) == ["peft_lora", "ours"]
 
 

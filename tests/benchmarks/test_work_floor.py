@@ -1,5 +1,7 @@
 """The arithmetic of ``benchmarks/work_floor.py`` (what exact DoRA must add to LoRA's work)."""
 
+import itertools
+
 import pytest
 
 from benchmarks import work_floor as wf
@@ -102,3 +104,33 @@ def test_the_cited_jax_model_run_holds_lora_and_ours_at_both_ranks():
 def test_naive_bound_is_the_speedup_at_the_floor():
     # naive 12 ms, LoRA 10 ms, ours at best 1.2 × LoRA = 12 ms: naive can be at most 1.0×.
     assert wf.naive_bound(12.0, 10.0, 1.2) == pytest.approx(1.0)
+
+
+def test_kept_bytes_are_the_unkept_outputs_and_recomputing_frees_them():
+    # per token and layer: q 4096 + k 1024 + v 1024 + o 4096 + down 4096 outputs, bf16
+    assert wf.kept_bytes(tokens=1, layers=1) == (4096 + 1024 + 1024 + 4096 + 4096) * 2
+    # run 80's batch-4 gap (15.93 - 14.18 GiB) is this to the MiB: 8 layers x 8192 tokens
+    assert wf.kept_bytes(8192) / wf.GIB == pytest.approx(1.75)
+    assert wf.kept_bytes(8192, recomputed=wf.LLAMA_UNKEPT) == 0
+    assert wf.kept_bytes(1, 1, recomputed=("down_proj",)) == (4096 + 1024 + 1024 + 4096) * 2
+    assert wf.recompute_flops(3, ("k_proj",), layers=2) == 2 * (2 * 3 * 4096 * 1024)
+
+
+def test_cheapest_recompute_meets_the_target_for_the_fewest_flops():
+    lora = 14.0
+    names, flops = wf.cheapest_recompute(lora, 1.05, tokens=8192)
+    peak = lora + wf.kept_bytes(8192, recomputed=names) / wf.GIB
+    assert peak <= 1.05 * lora
+    for k in range(len(wf.LLAMA_UNKEPT) + 1):  # no cheaper subset meets it
+        for other in itertools.combinations(wf.LLAMA_UNKEPT, k):
+            if lora + wf.kept_bytes(8192, recomputed=other) / wf.GIB <= 1.05 * lora:
+                assert wf.recompute_flops(8192, other) >= flops
+    assert wf.cheapest_recompute(lora, 1.5, tokens=8192) == ((), 0)  # nothing needed
+    assert wf.cheapest_recompute(lora, 0.99, tokens=8192) is None  # below LoRA itself
+
+
+def test_the_memory_target_run_has_its_rows():
+    r, batch, csv_name = wf.TORCH_MEMORY_TARGET
+    lora = wf.model_peak_gib(csv_name, "peft_lora_bf16", r, batch)
+    ours = wf.model_peak_gib(csv_name, "ours_bf16", r, batch)
+    assert ours - lora == pytest.approx(wf.kept_bytes(batch * 2048) / wf.GIB, abs=0.01)

@@ -101,13 +101,15 @@ def check_tier(
     device: str = "cpu",
     k: float = 2.0,
     dropout_p: float = 0.0,
+    recompute_inner: bool = False,
 ) -> dict:
     """Assert forward and all gradients of ``dora_linear(impl=...)`` against the spec.
 
     ``case``: a shared case's name or an ad-hoc ``cases.Case``; ``data`` replaces its draw
     ``case.make(seed)`` (e.g. with some magnitudes zeroed). With ``dropout_p`` the layer runs
     in training mode with adapter dropout; the mask is reproduced from the same RNG seed and
-    given to the spec as ``x_dropped``. Returns {"y" | "dx" | ...: (ours, reference, baseline)}
+    given to the spec as ``x_dropped``; ``recompute_inner`` is passed to ``dora_linear``.
+    Returns {"y" | "dx" | ...: (ours, reference, baseline)}
     as float64 NumPy, for further checks on parts of a result."""
     case = cases.get(case) if isinstance(case, str) else case
     case_name = case.name
@@ -137,6 +139,7 @@ def check_tier(
             exact_norm_grad=exact,
             dropout_p=dropout_p,
             training=bool(dropout_p),
+            recompute_inner=recompute_inner,
         )
 
     def base(a):
@@ -166,6 +169,7 @@ def check_tier(
     eps = torch.finfo(dtype).eps
     big = torch.finfo(dtype).max
     tag = f"{case_name}/{dtype}/{impl}/{'exact' if exact else 'detached'}"
+    tag += "/recompute" if recompute_inner else ""
     assert y.dtype == dtype and tuple(y.shape) == tuple(d.dy.shape)
     results = {"y": (_np(y), ref_y, _np(yb))}
     _close(*results["y"], eps, k, f"{tag} y")

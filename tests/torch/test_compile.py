@@ -38,6 +38,24 @@ def test_compile_fullgraph_functional(exact, dtype):
         torch.testing.assert_close(a.grad, r.grad)
 
 
+def test_compile_fullgraph_recompute_inner():
+    """The recomputing backward (ops.SAVE_RECOMPUTE) traces into one graph and gives the
+    eager call's gradients."""
+    torch._dynamo.reset()
+    x, W, A, B, m, b, s = random_case_tensors(23, lead=(2, 3))
+
+    def f(x, A, B, m):
+        return dora_torch.dora_linear(x, W, A, B, m, s, b, impl="eager", recompute_inner=True)
+
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    leaves = [t.clone().requires_grad_(True) for t in (x, A, B, m)]
+    leaves2 = [t.clone().requires_grad_(True) for t in (x, A, B, m)]
+    compiled(*leaves).square().sum().backward()
+    f(*leaves2).square().sum().backward()
+    for a, r in zip(leaves, leaves2):
+        torch.testing.assert_close(a.grad, r.grad)
+
+
 def _layer(seed=0, **kw):
     torch.manual_seed(seed)
     layer = dora_torch.Linear(24, 20, r=4, lora_alpha=8, impl="eager", **kw)

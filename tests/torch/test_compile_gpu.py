@@ -33,9 +33,11 @@ def _fresh(layer, x):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("bias", [False, True])
-def test_fullgraph_inductor_forward_and_grads_match_eager(dtype, bias):
+@pytest.mark.parametrize("recompute", [False, True])
+def test_fullgraph_inductor_forward_and_grads_match_eager(dtype, bias, recompute):
     torch._dynamo.reset()
     layer = _layer(dtype, bias=bias)
+    layer.recompute_inner = recompute
     x = torch.randn(4, 100, 256, device="cuda", dtype=dtype)
     compiled = torch.compile(layer, fullgraph=True)
     xs = [x.clone().requires_grad_(True) for _ in range(2)]

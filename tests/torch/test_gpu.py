@@ -38,6 +38,12 @@ def test_cuda_exact_and_dropout(case, dtype):
     check_tier(case, DTYPES[dtype], "fused", device="cuda", dropout_p=0.2)
 
 
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("case", GPU_CASES)
+def test_cuda_recompute_inner_matches_spec(case, dtype):
+    check_tier(case, DTYPES[dtype], "fused", device="cuda", recompute_inner=True)
+
+
 @pytest.mark.parametrize("epilogue", [True, False])
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 @pytest.mark.parametrize(
