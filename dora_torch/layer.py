@@ -49,7 +49,7 @@ class Linear(nn.Module):
     base dtype except fp32 on fp16/bf16 bases), impl ("auto" | "fused" | "eager"),
     exact_norm_grad, recompute_inner (keep no [tokens, out_features] tensor for the
     magnitude gradient: backward recomputes the product instead, one more GEMM of the base
-    product's size; for layers whose output the next op does not keep, see README "Memory").
+    product's size; for layers whose output the next op does not keep, see README "Memory (torch)").
     ``last_impl`` records the tier of the last call (eager calls).
     Every argument is validated before anything is built or frozen.
     """

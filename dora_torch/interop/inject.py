@@ -77,7 +77,7 @@ def inject(
     recompute_modules: None, or module names / a regex in ``target_modules``' forms, selecting
     among the adapted layers those built with ``recompute_inner=True`` (their backward
     recomputes the layer's product instead of keeping a [tokens, out_features] tensor; for
-    layers whose output the next op does not keep, README "Memory").
+    layers whose output the next op does not keep, README "Memory (torch)").
     Everything is checked before the model is touched: ValueError if nothing
     matches, a match is not a plain ``nn.Linear``, or ``recompute_modules`` selects none of
     the adapted layers. Returns ``model``.

@@ -209,7 +209,7 @@ def accelerate_peft(
     ``recompute_modules`` (None, or PEFT's ``target_modules`` forms: module names or a regex)
     selects the layers that run with ``recompute_inner`` (``dora_torch.Linear``): their
     backward recomputes the layer's product instead of keeping a [tokens, out_features]
-    tensor, for layers whose output the next op does not keep (README, "Memory").
+    tensor, for layers whose output the next op does not keep (README, "Memory (torch)").
     Calling it again is harmless (it updates ``impl`` and the selection). Raises ValueError
     if the model has no PEFT LoRA layer at all, or if ``recompute_modules`` selects no layer
     that is accelerated; nothing is changed then.
