@@ -44,14 +44,18 @@ RECOMPUTE_ATTR = "_dora_recompute_inner"  # selected by accelerate_peft's recomp
 
 @dataclass
 class AccelerationReport:
-    """Which PEFT layers run on dora_torch (``accelerated``) and which stay on PEFT's
-    path (``skipped``: module name → reason). Names are ``peft_model.named_modules()``'s."""
+    """Which PEFT layers run on dora_torch (``accelerated``; ``recomputed``: those of them
+    ``recompute_modules`` selected) and which stay on PEFT's path (``skipped``: module name →
+    reason). Names are ``peft_model.named_modules()``'s."""
 
     accelerated: list[str] = field(default_factory=list)
     skipped: dict[str, str] = field(default_factory=dict)
+    recomputed: list[str] = field(default_factory=list)
 
     def __str__(self) -> str:
         lines = [f"{len(self.accelerated)} DoRA layer(s) accelerated, {len(self.skipped)} skipped"]
+        if self.recomputed:
+            lines[0] += f", {len(self.recomputed)} recomputing their product in backward"
         lines += [f"  skipped {name}: {why}" for name, why in self.skipped.items()]
         return "\n".join(lines)
 
@@ -238,6 +242,8 @@ def accelerate_peft(
     for name, module in eligible.items():
         setattr(module, IMPL_ATTR, impl)
         setattr(module, RECOMPUTE_ATTR, name in recompute)
+        if name in recompute:
+            report.recomputed.append(name)
         if not _is_accelerated(module):
             module.last_impl = None
             module.forward = types.MethodType(_accelerated_forward, module)

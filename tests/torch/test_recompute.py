@@ -186,6 +186,9 @@ def test_accelerate_peft_recompute_modules_select_and_validate():
         if "_dora_recompute_inner" in m.__dict__
     }
     assert flags == {p: p in LLAMA_UNKEPT for p in flags} and len(flags) == 7
+    report = peft_model.dora_acceleration_report
+    assert len(report.recomputed) == 5 * 2  # five projections in each of the two layers
+    assert "10 recomputing their product in backward" in str(report)
     dora_torch.restore_peft(peft_model)
     assert not any("_dora_recompute_inner" in m.__dict__ for m in peft_model.modules())
 
