@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import csv
 import itertools
+import math
 import pathlib
 from dataclasses import dataclass
 
@@ -132,6 +133,8 @@ LLAMA_8B_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj"
 #: backward: q and k before RoPE (which keeps cos and sin), v before repeat_kv's copy, o and
 #: down before a residual add. SiLU keeps gate's output and the product keeps up's.
 LLAMA_UNKEPT = ("q_proj", "k_proj", "v_proj", "o_proj", "down_proj")
+#: name → (d_out, d_in)
+LLAMA_8B_SHAPES = dict(zip(LLAMA_8B_NAMES, LLAMA_8B_PROJECTIONS, strict=True))
 GIB = 2.0**30
 
 
@@ -140,16 +143,14 @@ def kept_bytes(tokens: int, layers: int = 8, recomputed=(), itemsize: int = 2) -
     decoder layers, DoRA on all seven projections): every unkept projection's inner
     [tokens, d_out], except those in ``recomputed`` (``recompute_inner``). The [d_out] norms
     (~0.4 MiB per step) are left out."""
-    shapes = dict(zip(LLAMA_8B_NAMES, LLAMA_8B_PROJECTIONS, strict=True))
-    per_token = sum(shapes[n][0] for n in LLAMA_UNKEPT if n not in recomputed)
+    per_token = sum(LLAMA_8B_SHAPES[n][0] for n in LLAMA_UNKEPT if n not in recomputed)
     return layers * tokens * per_token * itemsize
 
 
 def recompute_flops(tokens: int, recomputed, layers: int = 8) -> int:
     """The GEMMs ``recompute_inner`` adds per step: x·Wᵀ again for every recomputed layer
     (2·tokens·d_in·d_out; the r-wide h·Bᵀ beside it is left out)."""
-    shapes = dict(zip(LLAMA_8B_NAMES, LLAMA_8B_PROJECTIONS, strict=True))
-    return layers * sum(2 * tokens * shapes[n][1] * shapes[n][0] for n in recomputed)
+    return layers * sum(2 * tokens * math.prod(LLAMA_8B_SHAPES[n]) for n in recomputed)
 
 
 def cheapest_recompute(lora_peak_gib: float, target: float, tokens: int, layers: int = 8):

@@ -144,11 +144,12 @@ def backward_core(
     acc = compute_dtype(dt)  # fp32 accumulation; fp64 stays fp64
     scaling, recover = opts.scaling, opts.save == SAVE_RECOVER
     dropout = x_d is not None
+    x_in = x_d if dropout else x  # the adapter's input
     need_dbias = need_dbias and bias is not None  # a frozen bias (the usual case) costs nothing
     if dy.dtype != dt:
         dy = dy.to(dt)
     if opts.save == SAVE_RECOMPUTE:
-        saved = recompute_inner(x_d if dropout else x, weight, h, b, opts)
+        saved = recompute_inner(x_in, weight, h, b, opts)
     if opts.impl == "fused":
         from .kernels.backward import scale_reduce
 
@@ -180,7 +181,6 @@ def backward_core(
             dyg1 = (dyf * magnitude_scale_minus_one(magnitude, norm)).clamp(-big, big).to(dt)
         dbias = dyf.sum(0) if need_dbias else None
 
-    x_in = x_d if dropout else x
     t = torch.mm(dyg, b)  # [T, r]
     dB = scaled_mm(dyg.t(), h, scaling, _grad_dtype(dB_dtype, dt, acc))
     dA = scaled_mm(t.t(), x_in, scaling, _grad_dtype(dA_dtype, dt, acc))
