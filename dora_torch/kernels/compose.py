@@ -296,11 +296,6 @@ def compose_forward(
     inner_arg = base_d  # a valid pointer even when unused (STORE_INNER=False)
     bias_arg = bias if bias is not None else norm
     use_epilogue = config.COMPOSE_IN_GEMM_EPILOGUE if epilogue is None else epilogue
-    flags = {
-        "HAS_BIAS": bias is not None,
-        "DROPOUT": dropout,
-        "STORE_INNER": store_inner,
-    }
     if use_epilogue:
         block_k = max(16, min(config.LORA_GEMM_BLOCK_K, next_pow2(K)))
         cfg = gemm_config or config.lora_gemm_config(
@@ -321,18 +316,16 @@ def compose_forward(
             M,
             N,
             K,
-            h.stride(0),
-            h.stride(1),
-            lora_B.stride(0),
-            lora_B.stride(1),
-            base_d.stride(0),
-            base_d.stride(1),
-            y.stride(0),
-            y.stride(1),
-            inner_arg.stride(0),
-            inner_arg.stride(1),
+            *h.stride(),
+            *lora_B.stride(),
+            *base_d.stride(),
+            *y.stride(),
+            *inner_arg.stride(),
             float(scaling),
             EPS=config.EPS,
+            HAS_BIAS=bias is not None,
+            DROPOUT=dropout,
+            STORE_INNER=store_inner,
             DOT_FP32=dot_fp32(h.dtype),
             DOT_PRECISION=dot_precision(h.dtype),
             BLOCK_K=block_k,
@@ -341,7 +334,6 @@ def compose_forward(
             GROUP_M=cfg.group_m,
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
-            **flags,
         )
     else:
         lora = torch.mm(h, lora_B.t())
@@ -384,8 +376,7 @@ def compose_elementwise(
     _launch_compose(
         grid,
         lora,
-        lora.stride(0),
-        lora.stride(1),
+        *lora.stride(),
         base_arg,
         base_d,
         magnitude,
@@ -395,12 +386,9 @@ def compose_elementwise(
         base_d,
         M,
         N,
-        base_d.stride(0),
-        base_d.stride(1),
-        y.stride(0),
-        y.stride(1),
-        base_d.stride(0),
-        base_d.stride(1),
+        *base_d.stride(),
+        *y.stride(),
+        *base_d.stride(),
         float(scaling),
         EPS=config.EPS,
         HAS_BIAS=bias is not None,

@@ -89,12 +89,15 @@ class Launcher:
         parameters positionally, the rest (constexprs, usually) by name."""
         if named:
             rest = self.names[len(args) :]
-            if named.keys() != set(rest):
+            if tuple(named) == rest:  # in the kernel's order (every caller here): no lookups
+                args += tuple(named.values())
+            elif named.keys() == set(rest):
+                args = (*args, *[named[n] for n in rest])
+            else:
                 raise TypeError(
                     f"{self.kernel.__name__}: parameters after the positional ones must be "
                     f"{rest} by name; got {tuple(named)}"
                 )
-            args = (*args, *[named[n] for n in rest])
         if (
             not config.FAST_TRITON_LAUNCH
             or config.interpreting()

@@ -86,6 +86,24 @@ def test_launcher_orders_named_parameters_and_names_missing_ones():
         launcher((1,), *range(len(launcher.names) - 2), num_warps=4, BLOCK_M=16)
 
 
+def test_launcher_passes_named_parameters_in_the_kernels_order_either_way(monkeypatch):
+    launched = []
+
+    class Recorder:  # kernel[grid](*args, **options), recorded instead of launched
+        def __getitem__(self, grid):
+            return lambda *args, **options: launched.append(args)
+
+    launcher = Launcher(_launch_compose.kernel)
+    launcher.kernel = Recorder()
+    names = launcher.names
+    k = names.index("EPS")  # the constexprs, from EPS on, go by name
+    named = {n: 100 + i for i, n in enumerate(names[k:])}
+    monkeypatch.setattr(config, "FAST_TRITON_LAUNCH", False)  # straight to kernel[grid]
+    launcher((1,), *range(k), num_warps=4, **named)
+    launcher((1,), *range(k), num_warps=4, **dict(reversed(named.items())))
+    assert launched[0] == launched[1] == (*range(k), *named.values())
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 def test_scaled_mm_is_one_scaled_product(dtype):
     torch.manual_seed(0)

@@ -1,0 +1,39 @@
+"""The CPU host-time harness reaches the fused tier's launch path and reports every variant."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("peft")
+pytest.importorskip("transformers")
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def test_harness_times_the_fused_launch_path():
+    # Its own process: the harness needs compiled-kernel objects (no TRITON_INTERPRET), and
+    # main() raises if no Launcher took its fast path.
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    args = ["--layers", "1", "--rounds", "2", "--per-round", "1", "--variants", "peft_lora", "ours"]
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.host_step_cpu", *args],
+        env=env, cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = {line.split()[0]: line for line in done.stdout.splitlines() if line.strip()}
+    assert "fwd" in lines["ours"] and "sum" in lines["ours"]
+    assert "peft_lora" in lines
+
+
+def test_harness_refuses_the_interpreter():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.host_step_cpu", "--layers", "1"],
+        env=env, cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 2 and "TRITON_INTERPRET" in done.stderr
