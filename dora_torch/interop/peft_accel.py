@@ -106,17 +106,17 @@ def _active_dora_adapter(module, base, x, args, kwargs) -> str | None:
     layer), or None to use PEFT's path."""
     if args or kwargs or module.disable_adapters or module.merged:
         return None
-    lora_A = module._modules["lora_A"]
+    lora_A = module._modules["lora_A"]._modules
     active = [a for a in module.active_adapters if a in lora_A]
     if len(active) != 1:
         return None
     a = active[0]
     if type(module.lora_variant.get(a)) is not _peft_classes()[2]:
         return None
-    weight = base.weight
+    weight = _param(base, "weight")
     if x.dtype != weight.dtype or weight.requires_grad:
         return None
-    if not isinstance(module._modules["lora_dropout"][a], (nn.Identity, nn.Dropout)):
+    if not isinstance(_adapter_module(module, "lora_dropout", a), (nn.Identity, nn.Dropout)):
         return None
     return a
 
@@ -131,24 +131,38 @@ def _base_layer(module) -> nn.Module:
 
 
 def _base_weight(module) -> torch.Tensor:
-    return _base_layer(module).weight
+    return _param(_base_layer(module), "weight")
+
+
+def _param(module: nn.Module, name: str):
+    """``module.<name>``: a registered parameter (or None) read from ``_parameters``, as
+    nn.Module's ``__getattr__`` would find it, without that Python call (the fast path reads
+    six per layer call); anything else (a parametrization, a property) through getattr."""
+    params = module._parameters
+    return params[name] if name in params else getattr(module, name)
+
+
+def _adapter_module(module, name: str, a: str) -> nn.Module:
+    """``module.<name>[a]`` read from the submodule dicts (``ModuleDict.__getitem__`` and
+    ``__getattr__`` are Python calls)."""
+    return module._modules[name]._modules[a]
 
 
 def _adapter_weight(module, name: str, a: str) -> torch.Tensor:
-    """``module.<name>[a].weight``, read from the submodule dicts: nn.Module's ``__getattr__``
-    is a Python call per attribute, and the fast path reads ~ten per layer call."""
-    return module._modules[name][a].weight
+    """``module.<name>[a].weight``."""
+    return _param(_adapter_module(module, name, a), "weight")
 
 
 def _adapter_tensors(module):
     """(W, A, B, s, impl) of the adapter the fast path computes for ``module`` in its current
     state (for the norm cache's eval buffer), or None."""
     base = _base_layer(module)
-    a = _active_dora_adapter(module, base, base.weight, (), {})
+    weight = _param(base, "weight")
+    a = _active_dora_adapter(module, base, weight, (), {})
     if a is None:
         return None
     return (
-        base.weight,
+        weight,
         _adapter_weight(module, "lora_A", a),
         _adapter_weight(module, "lora_B", a),
         float(module.scaling[a]),
@@ -168,17 +182,17 @@ def _accelerated_forward(self, x, *args, **kwargs):
         if not torch.compiler.is_compiling():
             state["last_impl"] = "peft"
         return type(self).forward(self, x, *args, **kwargs)
-    drop = self._modules["lora_dropout"][a]
+    drop = _adapter_module(self, "lora_dropout", a)
     y, tier = module_dora_linear(
         state["_dora_norm_cache"],
         self,
         x,
-        base.weight,
+        _param(base, "weight"),
         _adapter_weight(self, "lora_A", a),
         _adapter_weight(self, "lora_B", a),
         _adapter_weight(self, "lora_magnitude_vector", a),
         float(self.scaling[a]),
-        base.bias,
+        _param(base, "bias"),
         dropout_p=drop.p if isinstance(drop, nn.Dropout) else 0.0,
         training=self.training,
         impl=state[IMPL_ATTR],

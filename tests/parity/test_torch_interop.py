@@ -76,6 +76,34 @@ def test_accelerate_peft_matches_peft_outputs_and_grads(impl):
     assert torch.equal(_loss_and_grads(pm, ids)[0], want_y)
 
 
+def test_accelerated_layer_reads_a_parametrized_base_weight():
+    """The fast path reads weights from ``_parameters``; a parametrized W lives elsewhere
+    (``parametrizations.weight.original``), and must still be the W the layer computes with,
+    after it changes too."""
+    from torch.nn.utils import parametrize
+
+    class Doubled(nn.Module):
+        def forward(self, w):
+            return 2.0 * w
+
+    pm = peft_dora(tiny_llama(), target_modules=["q_proj"])
+    ids = token_ids(pm.base_model.model.config)
+    base = pm.base_model.model.model.layers[0].self_attn.q_proj.base_layer
+    parametrize.register_parametrization(base, "weight", Doubled())
+    want_y, want_g = _loss_and_grads(pm, ids)
+    accelerate_peft(pm)
+    got_y, got_g = _loss_and_grads(pm, ids)
+    _assert_ours_ran(pm, ("eager",))
+    torch.testing.assert_close(got_y, want_y, rtol=1e-5, atol=1e-6)
+    _assert_grads_close(got_g, want_g, rtol=1e-5)
+    with torch.no_grad():  # W changes through its original: the norm follows
+        base.parametrizations.weight.original.mul_(0.5)
+    restore_peft(pm)
+    want_y = _loss_and_grads(pm, ids)[0]
+    accelerate_peft(pm)
+    torch.testing.assert_close(_loss_and_grads(pm, ids)[0], want_y, rtol=1e-5, atol=1e-6)
+
+
 def test_accelerated_model_under_activation_checkpointing_matches_peft():
     """transformers' activation checkpointing (non-reentrant) re-runs each decoder layer in
     backward: the recomputed forward must read the same cached norm. Over three AdamW steps
