@@ -239,39 +239,48 @@ class NormGroup:
             )
             self._graph, self._signature, self._failed = None, None, True
             return
-        layout, offset = [], 0  # per member: rows of n, then (offset, shape) or None per cast
-        for (_, _, a, b, _), (n, ca, cb) in zip(members, values, strict=True):
-            places = []
-            for param, cast in ((a, ca), (b, cb)):
-                if param.dtype == dtype:
-                    places.append(None)  # no cast: the parameter itself (detached)
-                else:
-                    places.append((offset, cast.shape))
-                    offset += cast.numel()
-            layout.append((n.shape[0], places))
         self._graph, self._signature = graph, signature
-        self._static = (norms, flat_casts, layout, [(m[2], m[3]) for m in members])
+        self._static = (norms, flat_casts, replay_layout(members, values, dtype))
         self.captures += 1
 
     def _replay(self) -> list[tuple]:
         self._graph.replay()
         self.replays += 1
-        norms, flat_casts, layout, params = self._static
-        norms = norms.clone()
-        copied = flat_casts.clone() if flat_casts is not None else None
-        values, start = [], 0
-        for (rows, entry), (a, b) in zip(layout, params, strict=True):
-            n = norms[start : start + rows]
-            start += rows
-            casts = []
-            for param, place in zip((a, b), entry, strict=True):
-                if place is None:
-                    casts.append(param.detach())
-                else:
-                    offset, shape = place
-                    casts.append(copied[offset : offset + shape.numel()].view(shape))
-            values.append((n, *casts))
-        return values
+        norms, flat_casts, layout = self._static
+        casts = None if flat_casts is None else flat_casts.clone()
+        return replay_values(norms.clone(), casts, layout)
+
+
+def replay_layout(members, values, dtype) -> tuple:
+    """How ``replay_values`` cuts a replay's outputs into the members' (n, a, b): each
+    member's norm rows, and per adapter either the parameter itself, detached once here (in
+    ``dtype`` already: no cast), or the (offset, shape) of its cast in the flat casts, as
+    ``_capture`` concatenated them. A replay runs only while the members' tensors are the
+    ones captured (same addresses, shapes and dtypes: the signature), so the detached
+    aliases stay theirs."""
+    rows, places, offset = [], [], 0
+    for (_, _, a, b, _), (n, ca, cb) in zip(members, values, strict=True):
+        rows.append(n.shape[0])
+        for param, cast in ((a, ca), (b, cb)):
+            if param.dtype == dtype:
+                places.append(param.detach())
+            else:
+                places.append((offset, cast.shape))
+                offset += cast.numel()
+    return rows, places
+
+
+def replay_values(norms: torch.Tensor, flat_casts: torch.Tensor | None, layout) -> list[tuple]:
+    """The members' (n, a, b) from fresh copies of a replay's outputs (``replay_layout``):
+    views, one split for the norms; a cast is a view of ``flat_casts``."""
+    rows, places = layout
+    adapters = [
+        place
+        if isinstance(place, torch.Tensor)
+        else flat_casts[place[0] : place[0] + place[1].numel()].view(place[1])
+        for place in places
+    ]
+    return [(n, adapters[2 * i], adapters[2 * i + 1]) for i, n in enumerate(norms.split(rows))]
 
 
 def graph_key(t: torch.Tensor) -> tuple:

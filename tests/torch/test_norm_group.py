@@ -56,6 +56,37 @@ def test_inject_groups_every_layer():
     assert all(layer._dora_norm_cache.group is group for layer in layers)
 
 
+def test_replay_values_cut_the_static_outputs_into_each_members_entry():
+    """What a replay hands each member, from the concatenated outputs as ``_capture`` lays
+    them out (the capture itself runs on the GPU): its norm rows, its casts' views, and the
+    parameters themselves (detached) where no cast is needed."""
+    from dora_torch.cache import compute_state
+    from dora_torch.norm_group import replay_layout, replay_values
+
+    torch.manual_seed(0)
+    dt = torch.bfloat16
+    members, values = [], []
+    for d_out, d_in, adapter_dt in ((5, 7, torch.float32), (3, 7, dt), (6, 4, torch.float32)):
+        w = torch.randn(d_out, d_in, dtype=dt)
+        a = nn.Parameter(torch.randn(2, d_in, dtype=adapter_dt))
+        b = nn.Parameter(torch.randn(d_out, 2, dtype=adapter_dt))
+        members.append((None, w, a, b, 0.5))
+        values.append(compute_state(w, a, b, None, 0.5, "eager", dt))
+    norms = torch.cat([n for n, _, _ in values])
+    casts = [c.reshape(-1) for (_, _, a, b, _), (_, ca, cb) in zip(members, values)
+             for p, c in ((a, ca), (b, cb)) if p.dtype != dt]  # fmt: skip
+    layout = replay_layout(members, values, dt)
+    got = replay_values(norms.clone(), torch.cat(casts).clone(), layout)
+    assert len(got) == len(values)
+    for (_, _, a, b, _), want, entry in zip(members, values, got, strict=True):
+        for g, w in zip(entry, want, strict=True):
+            assert g.dtype == w.dtype and torch.equal(g, w)
+        for param, g in ((a, entry[1]), (b, entry[2])):
+            assert not g.requires_grad
+            # the parameter itself where no cast is needed; a view of the copy otherwise
+            assert (g.data_ptr() == param.data_ptr()) == (param.dtype == dt)
+
+
 @pytest.mark.parametrize("opt_kind", ["adamw_fused", "adamw_foreach", "sgd"])
 def test_one_refresh_per_step_and_never_stale(opt_kind):
     model, layers = _model()
