@@ -222,14 +222,7 @@ class NormGroup:
                     compute_state(w, a, b, q, s, "fused", dtype)
                     for (_, w, a, b, s), q in zip(members, base, strict=True)
                 ]
-                norms = torch.cat([n for n, _, _ in values])
-                casts = [
-                    cast.reshape(-1)
-                    for (_, _, a, b, _), (_, ca, cb) in zip(members, values, strict=True)
-                    for param, cast in ((a, ca), (b, cb))
-                    if param.dtype != dtype
-                ]
-                flat_casts = torch.cat(casts) if casts else None
+                static = static_outputs(members, values, dtype)
         except Exception as e:  # any capture failure: keep the eager path
             logger.warning(
                 "dora_torch: capturing the norm group failed (%s); its norms are computed "
@@ -239,8 +232,7 @@ class NormGroup:
             )
             self._graph, self._signature, self._failed = None, None, True
             return
-        self._graph, self._signature = graph, signature
-        self._static = (norms, flat_casts, replay_layout(members, values, dtype))
+        self._graph, self._signature, self._static = graph, signature, static
         self.captures += 1
 
     def _replay(self) -> list[tuple]:
@@ -251,14 +243,15 @@ class NormGroup:
         return replay_values(norms.clone(), casts, layout)
 
 
-def replay_layout(members, values, dtype) -> tuple:
-    """How ``replay_values`` cuts a replay's outputs into the members' (n, a, b): each
-    member's norm rows, and per adapter either the parameter itself, detached once here (in
-    ``dtype`` already: no cast), or the (offset, shape) of its cast in the flat casts, as
-    ``_capture`` concatenated them. A replay runs only while the members' tensors are the
-    ones captured (same addresses, shapes and dtypes: the signature), so the detached
-    aliases stay theirs."""
-    rows, places, offset = [], [], 0
+def static_outputs(members, values, dtype) -> tuple:
+    """(norms, flat_casts, layout): the members' norms concatenated, and their real casts
+    (adapters not in ``dtype``) flattened and concatenated (None when there are none), as
+    one capture writes them; ``layout`` tells ``replay_values`` how to cut copies of the two
+    into each member's (n, a, b): its norm rows, and per adapter the (offset, shape) of its
+    cast, or the parameter itself where no cast is needed, detached once here. A replay runs
+    only while the members' tensors are the ones captured (same addresses, shapes and
+    dtypes: the signature), so the detached aliases stay theirs."""
+    rows, places, casts, offset = [], [], [], 0
     for (_, _, a, b, _), (n, ca, cb) in zip(members, values, strict=True):
         rows.append(n.shape[0])
         for param, cast in ((a, ca), (b, cb)):
@@ -266,12 +259,14 @@ def replay_layout(members, values, dtype) -> tuple:
                 places.append(param.detach())
             else:
                 places.append((offset, cast.shape))
+                casts.append(cast.reshape(-1))
                 offset += cast.numel()
-    return rows, places
+    norms = torch.cat([n for n, _, _ in values])
+    return norms, torch.cat(casts) if casts else None, (rows, places)
 
 
 def replay_values(norms: torch.Tensor, flat_casts: torch.Tensor | None, layout) -> list[tuple]:
-    """The members' (n, a, b) from fresh copies of a replay's outputs (``replay_layout``):
+    """The members' (n, a, b) from fresh copies of a replay's outputs (``static_outputs``):
     views, one split for the norms; a cast is a view of ``flat_casts``."""
     rows, places = layout
     adapters = [

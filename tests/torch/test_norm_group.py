@@ -61,7 +61,7 @@ def test_replay_values_cut_the_static_outputs_into_each_members_entry():
     them out (the capture itself runs on the GPU): its norm rows, its casts' views, and the
     parameters themselves (detached) where no cast is needed."""
     from dora_torch.cache import compute_state
-    from dora_torch.norm_group import replay_layout, replay_values
+    from dora_torch.norm_group import replay_values, static_outputs
 
     torch.manual_seed(0)
     dt = torch.bfloat16
@@ -72,11 +72,10 @@ def test_replay_values_cut_the_static_outputs_into_each_members_entry():
         b = nn.Parameter(torch.randn(d_out, 2, dtype=adapter_dt))
         members.append((None, w, a, b, 0.5))
         values.append(compute_state(w, a, b, None, 0.5, "eager", dt))
-    norms = torch.cat([n for n, _, _ in values])
-    casts = [c.reshape(-1) for (_, _, a, b, _), (_, ca, cb) in zip(members, values)
-             for p, c in ((a, ca), (b, cb)) if p.dtype != dt]  # fmt: skip
-    layout = replay_layout(members, values, dt)
-    got = replay_values(norms.clone(), torch.cat(casts).clone(), layout)
+    norms, flat_casts, layout = static_outputs(members, values, dt)
+    assert flat_casts.numel() == sum(t.numel() for (_, _, a, b, _) in members
+                                     for t in (a, b) if t.dtype != dt)  # fmt: skip
+    got = replay_values(norms.clone(), flat_casts.clone(), layout)
     assert len(got) == len(values)
     for (_, _, a, b, _), want, entry in zip(members, values, got, strict=True):
         for g, w in zip(entry, want, strict=True):
