@@ -56,11 +56,13 @@ def _scaled_mm_impl(
     a: torch.Tensor, b: torch.Tensor, alpha: float, dtype: torch.dtype, unused: torch.Tensor
 ):
     """The body of ``scaled_mm``, eager and inside the op compiled graphs call; ``unused``: a
-    0-d tensor of ``dtype`` for addmm's ignored input."""
-    unused = unused.expand(a.shape[0], b.shape[1])
+    0-d tensor of ``dtype`` for addmm's ignored input (addmm broadcasts its input, so the
+    plain form takes it as it is, with no Python ``expand`` per call)."""
     if dtype == a.dtype:
         return torch.addmm(unused, a, b, beta=0, alpha=alpha)
     if dtype == torch.float32 and a.is_cuda and a.dtype in (torch.bfloat16, torch.float16):
+        # 2-D here: the out_dtype overload has not been run with a 0-d input on a GPU
+        unused = unused.expand(a.shape[0], b.shape[1])
         try:
             return torch.addmm(unused, a, b, beta=0, alpha=alpha, out_dtype=dtype)
         except (TypeError, RuntimeError, NotImplementedError):  # torch without addmm.dtype
