@@ -52,6 +52,8 @@ import torch
 
 from . import config
 from .compose import compose, compose_dropout, magnitude_scale, magnitude_scale_minus_one
+from .kernels.backward import scale_reduce
+from .kernels.compose import compose_forward
 from .matmul import addmm_inplace, as_dtype, compute_dtype, scaled_mm
 
 SAVE_NONE, SAVE_INNER, SAVE_RECOVER, SAVE_RECOMPUTE = 0, 1, 2, 3
@@ -92,8 +94,6 @@ def forward_core(x, x_d, weight, a, b, magnitude, norm, bias, opts: LinearOption
     base = torch.mm(x, weight.t())
     base_d = base if x_d is None else torch.mm(x_d, weight.t())
     if opts.impl == "fused":
-        from .kernels.compose import compose_forward
-
         y, inner = compose_forward(
             h,
             b,
@@ -151,8 +151,6 @@ def backward_core(
     if opts.save == SAVE_RECOMPUTE:
         saved = recompute_inner(x_in, weight, h, b, opts)
     if opts.impl == "fused":
-        from .kernels.backward import scale_reduce
-
         dyg, dyg1, dm, dbias = scale_reduce(
             dy,
             saved,
