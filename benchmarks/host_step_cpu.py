@@ -10,11 +10,15 @@ launch replaced by a call that does nothing:
   - the tier resolves to "fused" (``dispatch.resolve_impl``);
   - each ``Launcher`` runs its whole Python (arguments, specialisation key, cache lookup)
     and ends in a no-op instead of Triton's C launcher;
-  - the launchability check accepts CPU tensors (the kernels would never read them).
+  - the launchability check accepts CPU tensors (the kernels would never read them), and
+    the one-pass norm applies where it would on CUDA.
 
-The kernels' outputs are left as allocated (only the host time is read). The norm
-follows the CPU path (the group's CUDA-graph replay needs a GPU), so the timed call is a
-forward and backward with the norm cached (adapters unchanged), not the optimizer step.
+The kernels' outputs are left as allocated (only the host time is read). The group's
+CUDA-graph replay of the norms needs a GPU, so ``--workload model`` (default) times a
+forward and backward with the norms cached (adapters unchanged), not the optimizer step.
+``--workload layer`` times issue 10's one-layer row instead (``bench_torch_layer``'s eager
+fwd+bwd: one ``dora_torch.Linear``, its norm recomputed in every call, against the cuBLAS
+LoRA-equivalent ``lora_eq``; variants ``lora_eq``, ``ours``, ``ours_rev``).
 Variants take turns in rounds (``measure.add_round_args``); printed: medians of the forward
 and the backward, and each variant's excess over PEFT LoRA per adapted layer call, in µs.
 A host-bound H200 machine ran session 19's Python savings ~2.5× slower than a CPU harness
@@ -27,6 +31,7 @@ rounds for sizes, the profile for names).
     python3 -m benchmarks.revision_copy HEAD --dest .rev
     python3 -m benchmarks.host_step_cpu --variants peft_lora ours --rev .rev
     python3 -m benchmarks.host_step_cpu --profile ours --per-round 20
+    python3 -m benchmarks.host_step_cpu --workload layer --rev .rev
 """
 
 from __future__ import annotations
@@ -45,7 +50,8 @@ from unittest import mock
 
 import torch
 
-VARIANTS = ("peft_lora", "ours", "peft_dora")
+VARIANTS = ("peft_lora", "ours", "peft_dora", "lora_eq")
+WORKLOADS = ("model", "layer")
 ADAPTED = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -113,7 +119,8 @@ def _fused_host_path(package: str):
     )
     with contextlib.ExitStack() as stack:
         stack.enter_context(mock.patch.object(functional, "resolve_impl", resolve))
-        stack.enter_context(mock.patch.object(common, "config", _Config()))
+        for mod in (common, norm_pass):  # launchability, and the one-pass norm's CUDA test
+            stack.enter_context(mock.patch.object(mod, "config", _Config()))
         stack.enter_context(mock.patch.object(launch, "driver", fake_driver))
         stack.enter_context(mock.patch.object(torch.cuda, "current_device", lambda: 0))
         for launcher in launchers:
@@ -175,6 +182,47 @@ def step_fn(model, ids):
     return step
 
 
+def layer_step_fn(variant: str, d: int, r: int, tokens: int, rev=None):
+    """One fwd+bwd of one layer (``bench_torch_layer``'s eager fwd_bwd row): ``lora_eq`` =
+    cuBLAS LoRA (two GEMMs and an addmm), ``ours`` / ``ours_rev`` = ``dora_torch.Linear``
+    with lora_A's version bumped first (an update: the norm is recomputed in the call)."""
+    from torch import nn
+
+    import dora_torch
+
+    torch.manual_seed(0)
+    dt = torch.bfloat16
+    base = nn.Linear(d, d, bias=False, dtype=dt).requires_grad_(False)
+    x = torch.randn(tokens, d, dtype=dt, requires_grad=True)
+    dy = torch.randn(tokens, d, dtype=dt)
+    if variant == "lora_eq":
+        w = base.weight
+        a = nn.Parameter(torch.randn(r, d, dtype=dt) / d**0.5)
+        b = nn.Parameter(torch.randn(d, r, dtype=dt) * 0.01)
+
+        def forward():
+            return torch.addmm(torch.mm(x, w.t()), torch.mm(x, a.t()), b.t(), alpha=2.0)
+
+    else:
+        package = rev if variant == "ours_rev" else dora_torch
+        layer = package.Linear.from_linear(base, r=r, lora_alpha=2 * r, adapter_dtype=dt)
+        with torch.no_grad():
+            layer.lora_B.normal_(0.0, 0.02)
+
+        def forward():
+            torch.autograd.graph.increment_version(layer.lora_A)
+            return layer(x)
+
+    def step():
+        t0 = time.perf_counter()
+        y = forward()
+        t1 = time.perf_counter()
+        y.backward(dy)
+        return t1 - t0, time.perf_counter() - t1
+
+    return step
+
+
 def timed_rounds(steps: dict, rounds: int, per_round: int) -> dict[str, list[tuple]]:
     """Per variant, per round: the mean (forward, backward) seconds of ``per_round`` steps."""
     out = {v: [] for v in steps}
@@ -192,13 +240,13 @@ def timed_rounds(steps: dict, rounds: int, per_round: int) -> dict[str, list[tup
     return out
 
 
-def summary(times: dict[str, list[tuple]], calls: int) -> list[dict]:
-    """Medians in ms, and the excess per adapted layer call over ``peft_lora`` in µs."""
+def summary(times: dict[str, list[tuple]], calls: int, base_variant="peft_lora") -> list[dict]:
+    """Medians in ms, and the excess per adapted layer call over ``base_variant`` in µs."""
     rows = []
     for v, ts in times.items():
         fwd, bwd = (statistics.median(t[i] for t in ts) for i in (0, 1))
         rows.append({"variant": v, "fwd_ms": fwd * 1e3, "bwd_ms": bwd * 1e3})
-    base = next((r for r in rows if r["variant"] == "peft_lora"), None)
+    base = next((r for r in rows if r["variant"] == base_variant), None)
     for r in rows:
         for k in ("fwd", "bwd"):
             extra = None if base is None else (r[f"{k}_ms"] - base[f"{k}_ms"]) * 1e3 / calls
@@ -206,30 +254,42 @@ def summary(times: dict[str, list[tuple]], calls: int) -> list[dict]:
     return rows
 
 
+#: Per workload: its variants (the first is the baseline the excess is counted against).
+WORKLOAD_VARIANTS = {"model": ("peft_lora", "ours", "peft_dora"), "layer": ("lora_eq", "ours")}
+
+
 def main(argv=None) -> list[dict]:
     from benchmarks.measure import add_round_args, round_args
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    ap.add_argument("--workload", default="model", choices=tuple(WORKLOAD_VARIANTS))
+    ap.add_argument("--variants", nargs="+", choices=VARIANTS,
+                    help="default: the workload's (model: peft_lora ours peft_dora; layer: "
+                    "lora_eq ours); the first is the baseline")  # fmt: skip
     ap.add_argument(
         "--rev",
         metavar="DIR",
         type=pathlib.Path,
         help="also time `benchmarks.revision_copy`'s copy in DIR (ours_rev)",
     )
-    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--layers", type=int, default=8, help="decoder layers (model workload)")
     ap.add_argument("--hidden", type=int, default=16, help="tiny: GEMMs cost ~1 µs, as launches")
-    ap.add_argument("--seq", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=4, help="tokens")
     ap.add_argument("--rank", type=int, default=4)
     ap.add_argument("--profile", metavar="VARIANT", help="print a cProfile of this variant")
     add_round_args(ap, rounds=25, per_round=10)
     args = ap.parse_args(argv)
     rounds = round_args(ap, args)
+    allowed = WORKLOAD_VARIANTS[args.workload]
+    variants = list(args.variants or allowed)
+    wrong = [v for v in variants if v not in allowed]
+    if wrong:
+        ap.error(f"--variants {wrong}: not variants of --workload {args.workload} ({allowed})")
     from dora_torch import config
 
     if config.interpreting():  # interpreted kernels never take the Launcher's fast path
         ap.error("run without TRITON_INTERPRET=1: the harness times the CUDA launch path")
-    variants, rev, packages = list(args.variants), None, ["dora_torch"]
+    rev, packages = None, ["dora_torch"]
     if args.rev is not None:
         from benchmarks.revision_copy import load
 
@@ -240,12 +300,17 @@ def main(argv=None) -> list[dict]:
     if args.profile is not None and args.profile not in variants:
         ap.error(f"--profile {args.profile}: not among the variants {variants}")
     torch.set_num_threads(1)
-    ids = torch.randint(0, 128, (1, args.seq))
-    calls = args.layers * len(ADAPTED)
     with fused_host_path(packages) as launchers:
-        steps = {
-            v: step_fn(build(v, args.layers, args.hidden, args.rank, rev), ids) for v in variants
-        }
+        if args.workload == "model":
+            ids = torch.randint(0, 128, (1, args.seq))
+            calls = args.layers * len(ADAPTED)
+            steps = {
+                v: step_fn(build(v, args.layers, args.hidden, args.rank, rev), ids)
+                for v in variants
+            }
+        else:
+            calls = 1
+            steps = {v: layer_step_fn(v, args.hidden, args.rank, args.seq, rev) for v in variants}
         for fn in steps.values():  # warm-up: caches, Launcher keys
             for _ in range(3):
                 fn()
@@ -260,17 +325,23 @@ def main(argv=None) -> list[dict]:
             pstats.Stats(prof).sort_stats("tottime").print_stats(30)
             return []
         times = timed_rounds(steps, rounds["rounds"], rounds["per_round"])
-    rows = summary(times, calls)
-    print(
-        f"host time of one fwd+bwd, {args.layers} layers × 7 adapted projections, hidden "
-        f"{args.hidden}, seq {args.seq}, r = {args.rank}, bf16, the fused tier's launches as "
-        f"no-ops; medians of {rounds['rounds']} rounds × {rounds['per_round']} steps"
+    rows = summary(times, calls, variants[0])
+    what = (
+        f"{args.layers} layers × 7 adapted projections, hidden {args.hidden}"
+        if args.workload == "model"
+        else f"one {args.hidden}² layer, norm recomputed per call (ours)"
     )
-    print(f"{'variant':<10} {'fwd ms':>8} {'bwd ms':>8}   excess over peft_lora, µs per layer call")
+    print(
+        f"host time of one fwd+bwd, {what}, {args.seq} tokens, r = {args.rank}, bf16, the fused "
+        f"tier's launches as no-ops; medians of {rounds['rounds']} rounds × "
+        f"{rounds['per_round']} steps"
+    )
+    print(f"{'variant':<10} {'fwd µs':>9} {'bwd µs':>9}   excess over {variants[0]}, µs per "
+          "layer call")  # fmt: skip
     for r in rows:
         fx, bx = r["fwd_excess_us_per_layer"], r["bwd_excess_us_per_layer"]
         extra = "" if fx is None else f"   fwd {fx:+6.1f}  bwd {bx:+6.1f}  sum {fx + bx:+6.1f}"
-        print(f"{r['variant']:<10} {r['fwd_ms']:8.3f} {r['bwd_ms']:8.3f}{extra}")
+        print(f"{r['variant']:<10} {r['fwd_ms'] * 1e3:9.1f} {r['bwd_ms'] * 1e3:9.1f}{extra}")
     return rows
 
 

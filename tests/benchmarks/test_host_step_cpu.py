@@ -30,6 +30,22 @@ def test_harness_times_the_fused_launch_path():
     assert "peft_lora" in lines
 
 
+def test_harness_times_the_layer_row_and_names_wrong_variants():
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    base = [sys.executable, "-m", "benchmarks.host_step_cpu", "--workload", "layer"]
+    done = subprocess.run(
+        [*base, "--rounds", "2", "--per-round", "1"],
+        env=env, cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "excess over lora_eq" in done.stdout and "\nours " in done.stdout
+    wrong = subprocess.run(
+        [*base, "--variants", "peft_lora", "ours"],
+        env=env, cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert wrong.returncode == 2 and "peft_lora" in wrong.stderr and "layer" in wrong.stderr
+
+
 def test_harness_refuses_the_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1")
     done = subprocess.run(
