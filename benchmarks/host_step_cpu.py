@@ -19,11 +19,14 @@ forward and backward with the norms cached (adapters unchanged), not the optimiz
 ``--workload layer`` times issue 10's one-layer row instead (``bench_torch_layer``'s eager
 fwd+bwd: one ``dora_torch.Linear``, its norm recomputed in every call, against the cuBLAS
 LoRA-equivalent ``lora_eq``; variants ``lora_eq``, ``ours``, ``ours_rev``).
-Variants take turns in rounds (``measure.add_round_args``); printed: medians of the forward
-and the backward, and each variant's excess over PEFT LoRA per adapted layer call, in µs.
-A host-bound H200 machine ran session 19's Python savings ~2.5× slower than a CPU harness
-measured them (NOTES, run 71). ``--rev DIR`` adds ``ours_rev``, a ``revision_copy`` of an
-earlier commit, to the same rounds (an A/B in one process); ``--profile VARIANT`` prints a
+Variants take turns in rounds, every other round in reverse order (``--rounds``,
+``--per-round``); printed: medians of the forward and the backward, and each variant's
+excess over the first (PEFT LoRA; ``lora_eq`` in the layer workload) per layer call, in µs.
+On a host-bound H200 machine the same calls took 4-7× this container's CPU time (NOTES,
+session 32, from run 69). ``--rev DIR`` adds ``ours_rev``, a ``revision_copy`` of an earlier
+commit, to the same rounds: an A/B in one process. An A/A (a copy of HEAD) read ``ours_rev``
+1.5-5.6 µs per call faster than the same code as ``ours`` in the layer workload, 0.4 in the
+model workload: changes of a few µs need that A/A beside them. ``--profile VARIANT`` prints a
 cProfile of one variant instead (cProfile inflates Python calls several-fold: read the
 rounds for sizes, the profile for names).
 
@@ -224,12 +227,15 @@ def layer_step_fn(variant: str, d: int, r: int, tokens: int, rev=None):
 
 
 def timed_rounds(steps: dict, rounds: int, per_round: int) -> dict[str, list[tuple]]:
-    """Per variant, per round: the mean (forward, backward) seconds of ``per_round`` steps."""
+    """Per variant, per round: the mean (forward, backward) seconds of ``per_round`` steps.
+    Every other round runs the variants in reverse order (a variant's position in a round
+    moved its time by up to 5 µs per call in A/A runs)."""
     out = {v: [] for v in steps}
+    order = list(steps.items())
     gc.disable()  # a collection inside one variant's turn would be charged to it
     try:
-        for _ in range(rounds):
-            for v, fn in steps.items():
+        for k in range(rounds):
+            for v, fn in order if k % 2 == 0 else order[::-1]:
                 fwd = bwd = 0.0
                 for _ in range(per_round):
                     f, b = fn()

@@ -42,7 +42,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from . import checks, config
 from .dispatch import FUSED_DTYPES
-from .matmul import compute_dtype
+from .matmul import as_dtype, compute_dtype
 from .norm import base_sq_norm, detached_norm
 
 #: Name of the non-persistent buffer that holds the eval-mode norm on each DoRA module.
@@ -226,10 +226,9 @@ def detached_cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def compute_state(weight, lora_A, lora_B, base_sq, scaling: float, impl: str, dtype):
     """(n, a, b) of ``NormCache.state``, computed (arguments already checked)."""
-    a, b = detached_cast(lora_A, dtype), detached_cast(lora_B, dtype)
-    n = detached_norm(
-        weight, lora_A.detach(), lora_B.detach(), base_sq, scaling, impl == "fused", a_cast=a
-    )
+    lora_A, lora_B = lora_A.detach(), lora_B.detach()  # once, for the casts and the norm
+    a, b = as_dtype(lora_A, dtype), as_dtype(lora_B, dtype)
+    n = detached_norm(weight, lora_A, lora_B, base_sq, scaling, impl == "fused", a_cast=a)
     return n, a, b
 
 
