@@ -189,18 +189,18 @@ class NormCache:
         # must be the norm of the precision rule (docs/design.md §5) whoever computes it.
         # (Contexts only here, and only those that change something: a hit, every call but
         # one per update, pays for none; entering all three cost ~5 µs per miss.)
-        device = weight.device.type
+        args, device = (weight, lora_A, lora_B, scaling, impl, dtype), weight.device.type
         with torch.no_grad():
             if torch.is_inference_mode_enabled() or torch.is_autocast_enabled(device):
                 with torch.inference_mode(False), torch.autocast(device, enabled=False):
-                    value, installed = self._compute(weight, lora_A, lora_B, scaling, impl, dtype)
+                    value, installed = self._compute_entry(*args)
             else:
-                value, installed = self._compute(weight, lora_A, lora_B, scaling, impl, dtype)
+                value, installed = self._compute_entry(*args)
         if not installed:
-            self.install(weight, lora_A, lora_B, scaling, impl, dtype, value)
+            self.install(*args, value)
         return value
 
-    def _compute(self, weight, lora_A, lora_B, scaling, impl, dtype) -> tuple[tuple, bool]:
+    def _compute_entry(self, weight, lora_A, lora_B, scaling, impl, dtype) -> tuple[tuple, bool]:
         """(value, installed) for ``state``: the group's refresh installs what it computes."""
         # Inference tensors are never cached (``_Stamp``), so a group refresh would recompute
         # every member in every layer's call: they compute alone.
