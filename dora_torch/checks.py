@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from shared_spec.peft_format import matches_target
+
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
@@ -148,6 +150,21 @@ def check_module_selection(selection, name: str):
             f"{name} must be None, a regex string or a sequence of module names; got {selection!r}"
         )
     return names
+
+
+def selected_modules(selection, names, name: str, what: str) -> set[str]:
+    """The names among ``names`` that ``selection`` (as ``check_module_selection`` returns
+    it) selects; none for None. ValueError naming the argument when it selects none of them
+    (``what``: the layers they are, e.g. "layers inject adapts")."""
+    if selection is None:
+        return set()
+    chosen = {n for n in names if matches_target(selection, n)}
+    if not chosen:
+        names = list(names)
+        raise ValueError(
+            f"{name}={selection!r} selects none of the {len(names)} {what} (first: {names[:4]})"
+        )
+    return chosen
 
 
 IMPLS = ("auto", "fused", "eager")

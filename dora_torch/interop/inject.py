@@ -18,7 +18,7 @@ from torch import nn
 
 from shared_spec import peft_format as pf
 
-from ..checks import check_module_selection
+from ..checks import check_module_selection, selected_modules
 from ..layer import Linear
 from ..norm_group import group_norms
 
@@ -91,14 +91,9 @@ def inject(
         alpha_pattern=dict(alpha_pattern or {}),
     )
     targets = _targets(model, target_modules)
-    recompute = set()
-    if recompute_modules is not None:
-        recompute = {p for p in targets if pf.matches_target(recompute_modules, p)}
-        if not recompute:
-            raise ValueError(
-                f"recompute_modules={recompute_modules!r} selects none of the {len(targets)} "
-                f"layers target_modules adapts (first: {list(targets)[:4]})"
-            )
+    recompute = selected_modules(
+        recompute_modules, targets, "recompute_modules", "layers target_modules adapts"
+    )
     return inject_from_config(
         model,
         config,

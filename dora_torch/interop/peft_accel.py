@@ -30,10 +30,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from shared_spec.peft_format import matches_target
-
 from .. import cache
-from ..checks import FLOAT_DTYPES, check_impl, check_module_selection
+from ..checks import FLOAT_DTYPES, check_impl, check_module_selection, selected_modules
 from ..functional import module_dora_linear
 from ..norm_group import group_norms
 
@@ -245,14 +243,9 @@ def accelerate_peft(
             eligible[name] = module
         else:
             report.skipped[name] = why
-    recompute = set()
-    if recompute_modules is not None:
-        recompute = {n for n in eligible if matches_target(recompute_modules, n)}
-        if not recompute:
-            raise ValueError(
-                f"recompute_modules={recompute_modules!r} selects none of the {len(eligible)} "
-                f"layers accelerate_peft accelerates (first: {list(eligible)[:4]})"
-            )
+    recompute = selected_modules(
+        recompute_modules, eligible, "recompute_modules", "layers accelerate_peft accelerates"
+    )
     for name, module in eligible.items():
         setattr(module, IMPL_ATTR, impl)
         setattr(module, RECOMPUTE_ATTR, name in recompute)
