@@ -3,14 +3,16 @@
 Providers (same run, same inputs):
   ours            dora_torch.Linear, fp32 adapters (PEFT's default), impl="auto" (fused)
   ours_bf16       the same with bf16 adapter parameters (like-for-like with lora_eq)
+  ours_bf16_stacked  ours_bf16 with ``stack_weights=True`` (W and A in one buffer: one GEMM
+                  for x Wᵀ and x Aᵀ, one for dx; ``dora_torch.stacking``)
   ours_elementwise  ours with the compose as cuBLAS h Bᵀ + elementwise kernel (headline
                   shape only)
   peft_dora_fp32  PEFT DoRA, default (adapters upcast to fp32)
   peft_dora_bf16  PEFT DoRA, autocast_adapter_dtype=False (bf16 adapters)
   peft_lora_bf16  PEFT LoRA, bf16 adapters
   lora_eq         cuBLAS bf16 ``addmm(x Wᵀ, x Aᵀ, Bᵀ)`` — the LoRA cost floor
-  *_graphed       ours_bf16 and lora_eq replayed from a CUDA graph (input copied into the
-                  graph's static buffer each call): host overhead removed, as under
+  *_graphed       ours_bf16, ours_bf16_stacked and lora_eq replayed from a CUDA graph (input
+                  copied into the graph's static buffer each call): host overhead removed, as under
                   ``torch.compile(mode="reduce-overhead")``; small (host-bound) shapes only.
                   fwd_bwd captures forward and backward, ours with its norm computed inside
                   the graph (the cache is cleared before capture), so every replay
@@ -72,6 +74,8 @@ PROVIDERS = [
     "peft_lora_bf16",
     "lora_eq",
     "ours_bf16_graphed",
+    "ours_bf16_stacked",
+    "ours_bf16_stacked_graphed",
     "lora_eq_graphed",
 ]
 GRAPHED_SHAPES = [(4096, 4096, 384, 512), (4096, 4096, 16, 512)]
@@ -98,8 +102,11 @@ def _make(provider: str, base: nn.Linear, r: int):
 
     alpha = 2 * r
     if provider.startswith("ours"):
-        dtype = DT if provider == "ours_bf16" else torch.float32
-        layer = dora_torch.Linear.from_linear(base, r=r, lora_alpha=alpha, adapter_dtype=dtype)
+        dtype = DT if provider.startswith("ours_bf16") else torch.float32
+        layer = dora_torch.Linear.from_linear(
+            base, r=r, lora_alpha=alpha, adapter_dtype=dtype,
+            stack_weights=provider.endswith("_stacked"),
+        )  # fmt: skip
         _trained_like(layer.lora_A, layer.lora_B, layer.lora_magnitude_vector, layer.scaling)
         params = [layer.lora_A, layer.lora_B, layer.lora_magnitude_vector]
         return layer, params, layer
@@ -615,13 +622,14 @@ def _summary(rows, extra) -> list[dict]:
         )
     tiny = (4096, 4096, 16, 512)  # issue 10's one-layer target
     for suffix, how, tgt in (("", "eager", 1.3), ("_graphed", "both CUDA-graphed", 1.1)):
-        ratio(
-            f"fwd+bwd ours_bf16/lora_eq 4096² r16 512tok, {how}",
-            _get(rows, tiny, "fwd_bwd", "ours_bf16" + suffix),
-            _get(rows, tiny, "fwd_bwd", "lora_eq" + suffix),
-            f"<= {tgt}",
-            lambda v, t=tgt: v <= t,
-        )
+        for prov in ("ours_bf16", "ours_bf16_stacked"):
+            ratio(
+                f"fwd+bwd {prov}/lora_eq 4096² r16 512tok, {how}",
+                _get(rows, tiny, "fwd_bwd", prov + suffix),
+                _get(rows, tiny, "fwd_bwd", "lora_eq" + suffix),
+                f"<= {tgt}",
+                lambda v, t=tgt: v <= t,
+            )
     ratio(
         "inference ours_bf16/lora_eq 4096² r384 512tok, both CUDA-graphed",
         _get(rows, small, "inference", "ours_bf16_graphed"),

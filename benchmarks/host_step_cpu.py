@@ -53,7 +53,7 @@ from unittest import mock
 
 import torch
 
-VARIANTS = ("peft_lora", "ours", "peft_dora", "lora_eq")
+VARIANTS = ("peft_lora", "ours", "peft_dora", "lora_eq", "ours_stacked")
 WORKLOADS = ("model", "layer")
 ADAPTED = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -188,7 +188,8 @@ def step_fn(model, ids):
 def layer_step_fn(variant: str, d: int, r: int, tokens: int, rev=None):
     """One fwd+bwd of one layer (``bench_torch_layer``'s eager fwd_bwd row): ``lora_eq`` =
     cuBLAS LoRA (two GEMMs and an addmm), ``ours`` / ``ours_rev`` = ``dora_torch.Linear``
-    with lora_A's version bumped first (an update: the norm is recomputed in the call)."""
+    with lora_A's version bumped first (an update: the norm is recomputed in the call);
+    ``ours_stacked`` the same with ``stack_weights=True``."""
     from torch import nn
 
     import dora_torch
@@ -208,7 +209,8 @@ def layer_step_fn(variant: str, d: int, r: int, tokens: int, rev=None):
 
     else:
         package = rev if variant == "ours_rev" else dora_torch
-        layer = package.Linear.from_linear(base, r=r, lora_alpha=2 * r, adapter_dtype=dt)
+        stack = {"stack_weights": True} if variant == "ours_stacked" else {}
+        layer = package.Linear.from_linear(base, r=r, lora_alpha=2 * r, adapter_dtype=dt, **stack)
         with torch.no_grad():
             layer.lora_B.normal_(0.0, 0.02)
 
@@ -261,7 +263,10 @@ def summary(times: dict[str, list[tuple]], calls: int, base_variant="peft_lora")
 
 
 #: Per workload: its variants (the first is the baseline the excess is counted against).
-WORKLOAD_VARIANTS = {"model": ("peft_lora", "ours", "peft_dora"), "layer": ("lora_eq", "ours")}
+WORKLOAD_VARIANTS = {
+    "model": ("peft_lora", "ours", "peft_dora"),
+    "layer": ("lora_eq", "ours", "ours_stacked"),
+}
 
 
 def main(argv=None) -> list[dict]:
@@ -271,7 +276,7 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--workload", default="model", choices=tuple(WORKLOAD_VARIANTS))
     ap.add_argument("--variants", nargs="+", choices=VARIANTS,
                     help="default: the workload's (model: peft_lora ours peft_dora; layer: "
-                    "lora_eq ours); the first is the baseline")  # fmt: skip
+                    "lora_eq ours ours_stacked); the first is the baseline")  # fmt: skip
     ap.add_argument(
         "--rev",
         metavar="DIR",
@@ -320,7 +325,8 @@ def main(argv=None) -> list[dict]:
         for fn in steps.values():  # warm-up: caches, Launcher keys
             for _ in range(3):
                 fn()
-        if {"ours", "ours_rev"} & set(steps) and not any(x.fast_launches for x in launchers):
+        ours = {"ours", "ours_rev", "ours_stacked"} & set(steps)
+        if ours and not any(x.fast_launches for x in launchers):
             raise RuntimeError("ours never reached a Launcher's fast path: the harness is stale")
         if args.profile:
             prof = cProfile.Profile()

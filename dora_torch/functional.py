@@ -18,6 +18,7 @@ from .config import EPS
 from .dispatch import resolve_impl
 from .matmul import compute_dtype
 from .norm import factored_norm
+from .stacking import StackedWeights
 
 
 def dora_linear(
@@ -93,6 +94,7 @@ def module_dora_linear(
     impl: str = "auto",
     exact_norm_grad: bool = False,
     recompute_inner: bool = False,
+    stack: StackedWeights | None = None,
 ) -> tuple[torch.Tensor, str]:
     """``dora_linear`` for a module that owns ``cache`` (``dora_torch.Linear`` and PEFT layers
     under ``accelerate_peft``), with arguments the module validated when it was built. Eager
@@ -100,7 +102,8 @@ def module_dora_linear(
     parameter update). Compiled graphs cannot run the cache's checks: in eval mode they read
     the module's norm buffer (refreshed eagerly, ``dora_torch.cache``); in training mode they
     compute the norm in the graph, from the ‖W‖² buffer when ``config.COMPILED_BASE_SQ_BUFFER``
-    is on. Returns (y, tier)."""
+    is on. ``stack``: the module's stacked weights (``dora_torch.stacking``), used by eager
+    fused calls without dropout or recomputation while they still hold W. Returns (y, tier)."""
     checks.check_input(x, weight)
     compiling = torch.compiler.is_compiling()
     if exact_norm_grad:
@@ -130,13 +133,23 @@ def module_dora_linear(
             training=training, impl=impl, norm=norm, recompute_inner=recompute_inner,
         )  # fmt: skip
     computed = cache.norm_computations
-    norm, a, b = cache.state(weight, lora_A, lora_B, scaling, impl=tier, dtype=x.dtype)
+    entry = cache.state(weight, lora_A, lora_B, scaling, impl=tier, dtype=x.dtype)
+    norm, a, b = entry
     if computed != cache.norm_computations and not module.training:
         write_norm_buffer(module, norm)  # eager eval calls keep the compiled graphs' copy fresh
+    stacked = None
+    if (
+        stack is not None
+        and tier == "fused"
+        and not recompute_inner
+        and not (training and dropout_p > 0)
+        and stack.holds(weight, lora_A)
+    ):
+        a, stacked = stack.sync(entry), stack.buffer
     # The cache's entry is the norm of this tier and dtype: straight to the products.
     y = _run(x, weight, lora_A, lora_B, magnitude, norm, scaling, bias, tier=tier,
              dropout_p=dropout_p, training=training, adapters=(a, b),
-             recompute_inner=recompute_inner)  # fmt: skip
+             recompute_inner=recompute_inner, stacked=stacked)  # fmt: skip
     return y, tier
 
 
@@ -193,13 +206,14 @@ def _dora_linear(
 
 def _run(
     x, weight, lora_A, lora_B, magnitude, n, scaling, bias, *, tier, dropout_p, training,
-    adapters=None, recompute_inner=False,
+    adapters=None, recompute_inner=False, stacked=None,
 ):  # fmt: skip
     """The products and the composition on validated arguments: ``tier`` resolved ("fused" |
     "eager"), n the norm [d_out] in the compute dtype (detached unless exact_norm_grad made
     it), ``adapters`` optional (a, b): lora_A and lora_B already cast to x's dtype and
     detached (a module cache's); ``recompute_inner``: save nothing [T, d_out] for backward
-    (``ops.SAVE_RECOMPUTE``). Returns y."""
+    (``ops.SAVE_RECOMPUTE``); ``stacked``: F = [W; a] with a = ``adapters[0]``'s values
+    (``ops``). Returns y."""
     d_out, d_in = weight.shape
     lead = x.shape[:-1]
     x2 = x.reshape(-1, d_in)
@@ -224,9 +238,11 @@ def _run(
     w = weight.detach() if weight.requires_grad else weight  # frozen: no gradient either way
     a, b = adapters or (detached_cast(lora_A, x.dtype), detached_cast(lora_B, x.dtype))
     if save == ops.SAVE_NONE:  # no autograd bookkeeping at all
-        y = ops.forward_core(x2, x_d, w, a, b, magnitude, n, bias, opts)[0]
+        y = ops.forward_core(x2, x_d, w, a, b, magnitude, n, bias, opts, stacked)[0]
     else:
-        y = ops.LinearFunction.apply(x2, x_d, w, lora_A, lora_B, magnitude, n, bias, a, b, opts)
+        y = ops.LinearFunction.apply(
+            x2, x_d, w, lora_A, lora_B, magnitude, n, bias, a, b, stacked, opts
+        )
     if x.dim() != 2:
         if save == ops.SAVE_RECOVER:
             # backward reads y: a real view shares its version counter, so an in-place edit of

@@ -29,6 +29,7 @@ from . import cache, checks
 from .functional import module_dora_linear
 from .merge import merge_weight, unmerge_weight
 from .norm import factored_norm
+from .stacking import StackedWeights
 
 
 def scaling_for(r: int, lora_alpha: float, use_rslora: bool = False) -> float:
@@ -49,7 +50,10 @@ class Linear(nn.Module):
     base dtype except fp32 on fp16/bf16 bases), impl ("auto" | "fused" | "eager"),
     exact_norm_grad, recompute_inner (keep no [tokens, out_features] tensor for the
     magnitude gradient: backward recomputes the product instead, one more GEMM of the base
-    product's size; for layers whose output the next op does not keep, see README "Memory (torch)").
+    product's size; for layers whose output the next op does not keep, see README "Memory (torch)"),
+    stack_weights (experimental: W, and A when it has W's dtype, re-homed into one buffer
+    F = [W; A] so that eager fused calls make one GEMM where they made two, forward and
+    backward; ``dora_torch.stacking``, docs/design.md §4).
     ``last_impl`` records the tier of the last call (eager calls).
     Every argument is validated before anything is built or frozen.
     """
@@ -70,9 +74,11 @@ class Linear(nn.Module):
         impl: str = "auto",
         exact_norm_grad: bool = False,
         recompute_inner: bool = False,
+        stack_weights: bool = False,
     ):
         super().__init__()
-        _validate(r, lora_alpha, use_rslora, lora_dropout, adapter_dtype, impl, recompute_inner)
+        _validate(r, lora_alpha, use_rslora, lora_dropout, adapter_dtype, impl, recompute_inner,
+                  stack_weights)  # fmt: skip
         base = nn.Linear(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self._setup(
             base.weight,
@@ -85,6 +91,7 @@ class Linear(nn.Module):
             impl=impl,
             exact_norm_grad=exact_norm_grad,
             recompute_inner=recompute_inner,
+            stack_weights=stack_weights,
         )
 
     @classmethod
@@ -100,14 +107,18 @@ class Linear(nn.Module):
         impl: str = "auto",
         exact_norm_grad: bool = False,
         recompute_inner: bool = False,
+        stack_weights: bool = False,
     ) -> Linear:
         """Wrap an existing ``nn.Linear``: its weight and bias Parameters are shared (not
-        copied) and frozen. Atomic: a bad argument raises before ``linear`` is touched."""
+        copied) and frozen (with ``stack_weights`` the weight Parameter's storage moves into
+        the stacked buffer, its values and identity kept). Atomic: a bad argument raises
+        before ``linear`` is touched."""
         if not isinstance(linear, nn.Linear):
             raise TypeError(f"linear must be a torch.nn.Linear; got {type(linear).__name__}")
         if linear.weight.dtype not in checks.FLOAT_DTYPES:
             raise TypeError(f"linear.weight must be floating point; got {linear.weight.dtype}")
-        _validate(r, lora_alpha, use_rslora, lora_dropout, adapter_dtype, impl, recompute_inner)
+        _validate(r, lora_alpha, use_rslora, lora_dropout, adapter_dtype, impl, recompute_inner,
+                  stack_weights)  # fmt: skip
         self = cls.__new__(cls)
         nn.Module.__init__(self)
         self._setup(
@@ -121,6 +132,7 @@ class Linear(nn.Module):
             impl=impl,
             exact_norm_grad=exact_norm_grad,
             recompute_inner=recompute_inner,
+            stack_weights=stack_weights,
         )
         return self
 
@@ -137,6 +149,7 @@ class Linear(nn.Module):
         impl,
         exact_norm_grad,
         recompute_inner,
+        stack_weights,
     ):
         self.scaling = scaling_for(r, lora_alpha, use_rslora)
         self.r, self.lora_alpha, self.use_rslora = r, lora_alpha, use_rslora
@@ -154,7 +167,9 @@ class Linear(nn.Module):
         nn.init.kaiming_uniform_(lora_A, a=math.sqrt(5))
         with torch.no_grad():
             m = factored_norm(weight, lora_A, lora_B, self.scaling, impl="eager")
-        # Nothing above touched the base layer; from here on nothing can fail.
+        # Nothing above touched the base layer (the stack re-homes W's storage last, with its
+        # values); from here on nothing can fail.
+        self._dora_stack = StackedWeights(weight, lora_A) if stack_weights else None
         weight.requires_grad_(False)
         self.weight = weight
         if bias is not None:
@@ -166,6 +181,8 @@ class Linear(nn.Module):
         self._merge_norm: torch.Tensor | None = None
         self.last_impl: str | None = None
         cache.attach(self, Linear._dora_tensors_of, Linear._weight_of)
+        if stack_weights:
+            self.register_load_state_dict_post_hook(Linear._restack)
 
     @staticmethod
     def _weight_of(layer: Linear) -> torch.Tensor:
@@ -184,7 +201,21 @@ class Linear(nn.Module):
             f"lora_alpha={self.lora_alpha}, use_rslora={self.use_rslora}, "
             f"lora_dropout={self.lora_dropout}, bias={self.bias is not None}, impl={self.impl!r}"
             + (", recompute_inner=True" if self.recompute_inner else "")
+            + (", stack_weights=True" if self._dora_stack is not None else "")
         )
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        self._restack()
+        return self
+
+    def _restack(self, *_hook_args) -> None:
+        """Move W (and A) back into a stacked buffer after something gave them new storage
+        (``to()``, ``load_state_dict(assign=True)``); the old buffer is released first."""
+        stack = self.__dict__.get("_dora_stack")
+        if stack is not None and not stack.holds(self.weight, self.lora_A):
+            self._dora_stack = None
+            self._dora_stack = StackedWeights(self.weight, self.lora_A)
 
     def norm(self, *, impl: str = "auto") -> torch.Tensor:
         """The current detached norm ‖W + s·B·A‖_row [out] in the compute dtype (cached)."""
@@ -217,6 +248,7 @@ class Linear(nn.Module):
             impl=self.impl,
             exact_norm_grad=self.exact_norm_grad,
             recompute_inner=self.recompute_inner,
+            stack=self._dora_stack,
         )
         if not torch.compiler.is_compiling():
             self.__dict__["last_impl"] = tier  # a plain attribute: skip Module.__setattr__
@@ -261,10 +293,13 @@ class Linear(nn.Module):
         cache.track_mode(self)
 
 
-def _validate(r, lora_alpha, use_rslora, lora_dropout, adapter_dtype, impl, recompute_inner):
+def _validate(
+    r, lora_alpha, use_rslora, lora_dropout, adapter_dtype, impl, recompute_inner, stack_weights
+):
     """Every constructor argument, before anything is built or frozen (named errors)."""
     scaling_for(r, lora_alpha, use_rslora)
     checks.check_bool(recompute_inner, "recompute_inner")
+    checks.check_bool(stack_weights, "stack_weights")
     checks.check_dropout(lora_dropout)
     checks.check_adapter_dtype(adapter_dtype)
     checks.check_impl(impl)

@@ -1,11 +1,13 @@
 """The DoRA linear's one autograd path: ``LinearFunction`` (eager calls and compiled graphs).
 
-    y, (saved for backward) = LinearFunction.apply(x, x_d?, W, A, B, m, n, bias?, a, b, opts)
+    y, (saved for backward) = LinearFunction.apply(x, x_d?, W, A, B, m, n, bias?, a, b, F?, opts)
 
 x [T, d_in] and W [d_out, d_in] share the activation dtype; A [r, d_in], B [d_out, r] and m
 may be fp32 (PEFT's default); a, b are A and B cast to the activation dtype (a module cache
 casts them once per parameter update) and their gradients come back in A's and B's own
 dtype. n is the detached norm in the compute dtype (fp32; float64 for float64 inputs).
+F = [W; a] or None: the stacked weights (``dora_torch.stacking``) whose rows W and a are;
+the fused tier then forms x Fᵀ = [base | h] and dx = [dy_g | s·t] F, one GEMM each.
 x_d = dropout(x) or None (PEFT's dropout form, docs/design.md §1). ``opts`` is a frozen
 ``LinearOptions``: the scaling, the tier ("fused": Triton compose / backward kernels around
 cuBLAS GEMMs; "eager": the same algorithm in torch ops) and what is saved for backward.
@@ -40,6 +42,7 @@ Never saved: the dense B·A, fp32 copies of anything [T, d_out].
 Gradients (detached norm, docs/design.md §4), dy_g = g ⊙ dy, t = dy_g B:
   dm = Σ_t dy ⊙ inner / n,  dB = s·dy_gᵀ h,  dA = s·tᵀ x_d,  dbias = Σ_t dy
   dx = dy_g W + s·t A                                     (no dropout)
+     = [dy_g | s·t] F                                      (stacked: one GEMM, F = [W; a])
   dx = dy W,  dx_d = ((g − 1) ⊙ dy) W + s·t A              (dropout; autograd maps dx_d to x)
   dn = −g ⊙ dm where n ≥ eps (used when n carries a gradient: exact_norm_grad)
 """
@@ -86,9 +89,19 @@ _OPTIONS: dict[tuple, LinearOptions] = {}
 
 
 # ------------------------------------------------------------------------------- forward
-def forward_core(x, x_d, weight, a, b, magnitude, norm, bias, opts: LinearOptions):
-    """The forward with a [r, d_in], b [d_out, r] in x's dtype. Returns (y, h, inner|None)."""
+def forward_core(x, x_d, weight, a, b, magnitude, norm, bias, opts: LinearOptions, stacked=None):
+    """The forward with a [r, d_in], b [d_out, r] in x's dtype. Returns (y, h, inner|None).
+    ``stacked``: F = [W; a] (fused tier, no dropout), or None."""
     scaling = opts.scaling
+    if stacked is not None:
+        # One GEMM for base and h; both are column views of it, y is written over base.
+        check_stacked(opts, x_d)
+        d_out = weight.shape[0]
+        base, h = torch.mm(x, stacked.t()).split_with_sizes((d_out, a.shape[0]), 1)
+        y, inner = compose_forward(
+            h, b, base, magnitude, norm, scaling, bias, store_inner=opts.save == SAVE_INNER
+        )
+        return y, h, inner
     x_in = x if x_d is None else x_d
     h = torch.mm(x_in, a.t())
     base = torch.mm(x, weight.t())
@@ -115,6 +128,15 @@ def forward_core(x, x_d, weight, a, b, magnitude, norm, bias, opts: LinearOption
     return y, h, inner
 
 
+def check_stacked(opts: LinearOptions, x_d) -> None:
+    """Stacked weights serve the fused tier without dropout, saving inner or recovering it."""
+    if opts.impl != "fused" or x_d is not None or opts.save == SAVE_RECOMPUTE:
+        raise ValueError(
+            "stacked weights need impl='fused', no dropout and save != SAVE_RECOMPUTE; got "
+            f"impl={opts.impl!r}, dropout={x_d is not None}, save={opts.save}"
+        )
+
+
 def _eager_inner(base_d, lora, scaling):
     """The eager tier's inner = base_d + s·lora: summed in the compute dtype, rounded once to
     the activation dtype (lora = h Bᵀ already rounded to it)."""
@@ -136,10 +158,11 @@ def recompute_inner(x_in, weight, h, b, opts: LinearOptions):
 # ------------------------------------------------------------------------------ backward
 def backward_core(
     dy, x, x_d, weight, a, b, magnitude, norm, bias, h, saved, opts: LinearOptions, *,
-    need_dx, need_dn, need_dbias, dA_dtype, dB_dtype,
+    need_dx, need_dn, need_dbias, dA_dtype, dB_dtype, stacked=None,
 ):  # fmt: skip
     """The backward with a, b in x's dtype; dA, dB come back in dA_dtype, dB_dtype.
-    Returns (dx, dx_d, dA, dB, dm, dn, dbias), None for what was not asked for."""
+    ``stacked`` as in ``forward_core``. Returns (dx, dx_d, dA, dB, dm, dn, dbias), None for
+    what was not asked for."""
     dt = x.dtype
     acc = compute_dtype(dt)  # fp32 accumulation; fp64 stays fp64
     scaling, recover = opts.scaling, opts.save == SAVE_RECOVER
@@ -150,6 +173,11 @@ def backward_core(
         dy = dy.to(dt)
     if opts.save == SAVE_RECOMPUTE:
         saved = recompute_inner(x_in, weight, h, b, opts)
+    rows = rows_g = rows_t = None
+    if stacked is not None:  # dy_g and s·t side by side: [dy_g | s·t] F is dx in one GEMM
+        check_stacked(opts, x_d)
+        rows = torch.empty((dy.shape[0], stacked.shape[0]), dtype=dt, device=dy.device)
+        rows_g, rows_t = rows.split_with_sizes((dy.shape[1], a.shape[0]), 1)
     if opts.impl == "fused":
         dyg, dyg1, dm, dbias = scale_reduce(
             dy,
@@ -166,6 +194,7 @@ def backward_core(
             scaling=scaling,
             # dn needs dm unrounded; otherwise dm is stored in m's dtype (no cast launch)
             dm_dtype=torch.float32 if need_dn else magnitude.dtype,
+            out=rows_g,
         )
     else:
         if recover:
@@ -179,16 +208,21 @@ def backward_core(
             dyg1 = (dyf * magnitude_scale_minus_one(magnitude, norm)).clamp(-big, big).to(dt)
         dbias = dyf.sum(0) if need_dbias else None
 
-    t = torch.mm(dyg, b)  # [T, r]
     dB = scaled_mm(dyg.t(), h, scaling, _grad_dtype(dB_dtype, dt, acc))
-    dA = scaled_mm(t.t(), x_in, scaling, _grad_dtype(dA_dtype, dt, acc))
     dx = dx_d = None
-    if need_dx:
+    if rows is not None:
+        st = rows_t.addmm_(dyg, b, beta=0.0, alpha=scaling)  # s·t [T, r]
+        dA = scaled_mm(st.t(), x_in, 1.0, _grad_dtype(dA_dtype, dt, acc))
+        if need_dx:
+            dx = torch.mm(rows, stacked)
+    else:
+        t = torch.mm(dyg, b)  # [T, r]
+        dA = scaled_mm(t.t(), x_in, scaling, _grad_dtype(dA_dtype, dt, acc))
         # In place: one [T, d_in] buffer per result, not two, and no copy.
-        if dropout:
+        if need_dx and dropout:
             dx = torch.mm(dy, weight)
             dx_d = addmm_inplace(torch.mm(dyg1, weight), t, a, scaling)
-        else:
+        elif need_dx:
             dx = addmm_inplace(torch.mm(dyg, weight), t, a, scaling)
     dn = None
     if need_dn:
@@ -216,16 +250,18 @@ def _grad_dtype(param_dtype: torch.dtype, dt: torch.dtype, acc: torch.dtype) -> 
 class LinearFunction(torch.autograd.Function):
     """The DoRA linear with the detached-norm backward above; its only output is y.
 
-    Inputs: (x, x_d, weight, lora_A, lora_B, magnitude, norm, bias, a, b, opts). lora_A and
-    lora_B are the parameters (gradients flow to them, in their dtype); a and b their casts
-    to x's dtype, which are saved for backward so nothing is recast per call.
+    Inputs: (x, x_d, weight, lora_A, lora_B, magnitude, norm, bias, a, b, stacked, opts).
+    lora_A and lora_B are the parameters (gradients flow to them, in their dtype); a and b
+    their casts to x's dtype, which are saved for backward so nothing is recast per call
+    (with ``stacked`` = F, W and a are F's rows; they are saved too, so that autograd's
+    version checks see writes to them).
     """
 
     @staticmethod
-    def forward(ctx, x, x_d, weight, lora_A, lora_B, magnitude, norm, bias, a, b, opts):
-        y, h, inner = forward_core(x, x_d, weight, a, b, magnitude, norm, bias, opts)
+    def forward(ctx, x, x_d, weight, lora_A, lora_B, magnitude, norm, bias, a, b, stacked, opts):
+        y, h, inner = forward_core(x, x_d, weight, a, b, magnitude, norm, bias, opts, stacked)
         saved = y if opts.save == SAVE_RECOVER else inner
-        ctx.save_for_backward(x, x_d, weight, a, b, magnitude, norm, bias, h, saved)
+        ctx.save_for_backward(x, x_d, weight, a, b, magnitude, norm, bias, h, saved, stacked)
         ctx.opts = opts
         ctx.grad_dtypes = (lora_A.dtype, lora_B.dtype)
         return y
@@ -237,12 +273,12 @@ class LinearFunction(torch.autograd.Function):
                 "dora_torch's LinearFunction ran with save=SAVE_NONE (no gradient expected) "
                 "but backward was called; call it through dora_torch.functional.dora_linear"
             )
-        x, x_d, weight, a, b, magnitude, norm, bias, h, saved = ctx.saved_tensors
+        x, x_d, weight, a, b, magnitude, norm, bias, h, saved, stacked = ctx.saved_tensors
         need = ctx.needs_input_grad
         dx, dx_d, dA, dB, dm, dn, dbias = backward_core(
             dy, x, x_d, weight, a, b, magnitude, norm, bias, h, saved, ctx.opts,
             need_dx=need[0] or need[1], need_dn=need[6], need_dbias=need[7],
-            dA_dtype=ctx.grad_dtypes[0], dB_dtype=ctx.grad_dtypes[1],
+            dA_dtype=ctx.grad_dtypes[0], dB_dtype=ctx.grad_dtypes[1], stacked=stacked,
         )  # fmt: skip
         return (
             dx if need[0] else None,
@@ -253,6 +289,7 @@ class LinearFunction(torch.autograd.Function):
             dm if need[5] else None,
             dn if need[6] else None,
             dbias if need[7] else None,
+            None,
             None,
             None,
             None,

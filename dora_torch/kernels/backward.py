@@ -40,11 +40,12 @@ _FINITE_MAX = {dt: torch.finfo(dt).max for dt in (torch.float16, torch.bfloat16,
 @triton.jit
 def _inner_tile(
     x_ptr, w_ptr, h_ptr, lb_ptr, rows, cols, M, N, D, R,
-    stride_xm, stride_xd, stride_wn, stride_wd, s,
+    stride_xm, stride_xd, stride_wn, stride_wd, stride_hm, s,
     DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
 ):  # fmt: skip
-    """inner[rows, cols] = x W_colsᵀ + s·h B_colsᵀ in fp32 (h [M, R] and B [N, R] contiguous)."""
+    """inner[rows, cols] = x W_colsᵀ + s·h B_colsᵀ in fp32 (h [M, R] with unit column stride,
+    B [N, R] contiguous)."""
     mask_m = rows < M
     mask_n = cols < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -68,7 +69,7 @@ def _inner_tile(
     for r0 in range(0, R, BLOCK_R):
         rs = r0 + tl.arange(0, BLOCK_R)
         ht = tl.load(
-            h_ptr + rows[:, None] * R + rs[None, :],
+            h_ptr + rows[:, None] * stride_hm + rs[None, :],
             mask=mask_m[:, None] & (rs < R)[None, :],
             other=0.0,
         )
@@ -87,8 +88,8 @@ def _inner_tile(
 @triton.jit
 def _finish_dm(
     dm_part_ptr, dm_ptr, m_ptr, n_ptr, col0, dy_ptr, x_ptr, w_ptr, h_ptr, lb_ptr,
-    M, N, D, R, parts, stride_dym, stride_dyn, stride_xm, stride_xd, stride_wn, stride_wd, s,
-    EPS: tl.constexpr, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    M, N, D, R, parts, stride_dym, stride_dyn, stride_xm, stride_xd, stride_wn, stride_wd,
+    stride_hm, s, EPS: tl.constexpr, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_N: tl.constexpr, SUB_M: tl.constexpr, SUB_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_R: tl.constexpr,
 ):  # fmt: skip
@@ -131,7 +132,7 @@ def _finish_dm(
                     ).to(tl.float32)
                     inner = _inner_tile(
                         x_ptr, w_ptr, h_ptr, lb_ptr, rows, sub, M, N, D, R,
-                        stride_xm, stride_xd, stride_wn, stride_wd, s,
+                        stride_xm, stride_xd, stride_wn, stride_wd, stride_hm, s,
                         DOT_FP32, DOT_PRECISION, SUB_M, SUB_N, BLOCK_D, BLOCK_R,
                     )  # fmt: skip
                     acc += dy * inner
@@ -151,7 +152,7 @@ def _scale_reduce_kernel(
     db_part_ptr,  # [P, N] fp32
     dm_ptr,  # [N], RECOVER only: dm in the magnitude's dtype
     tickets_ptr,  # [cdiv(N, BLOCK_N)] int32, zero at entry and at exit; RECOVER only
-    x_ptr,  # RECOVER only: x [M, D], W [N, D], h [M, R], B [N, R] (h and B contiguous)
+    x_ptr,  # RECOVER only: x [M, D], W [N, D], h [M, R], B [N, R] (B contiguous)
     w_ptr,
     h_ptr,
     lb_ptr,
@@ -170,6 +171,7 @@ def _scale_reduce_kernel(
     stride_xd,
     stride_wn,
     stride_wd,
+    stride_hm,
     OUT_MAX,
     s,
     EPS: tl.constexpr,
@@ -236,7 +238,7 @@ def _scale_reduce_kernel(
             _finish_dm(
                 dm_part_ptr, dm_ptr, m_ptr, n_ptr, pid_n * BLOCK_N, dy_ptr, x_ptr, w_ptr, h_ptr,
                 lb_ptr, M, N, D, R, tl.cdiv(M, rows_per_program), stride_dym, stride_dyn,
-                stride_xm, stride_xd, stride_wn, stride_wd, tl.cast(s, tl.float32),
+                stride_xm, stride_xd, stride_wn, stride_wd, stride_hm, tl.cast(s, tl.float32),
                 EPS, DOT_FP32, DOT_PRECISION, BLOCK_N, SUB_M, SUB_N, BLOCK_D, BLOCK_R,
             )  # fmt: skip
             tl.store(tickets_ptr + pid_n, 0)
@@ -271,6 +273,7 @@ def scale_reduce(
     scaling: float = 1.0,
     dm_dtype: torch.dtype = torch.float32,
     reduce_config: config.ReduceConfig | None = None,
+    out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
     """One pass over dy [T, d_out]. Returns (dy_g, dy_g1 or None, dm [d_out] in ``dm_dtype``
     (the magnitude's, so the gradient needs no cast of its own: in recover mode the program
@@ -280,12 +283,23 @@ def scale_reduce(
     ``saved`` is inner, or y when ``recover``; then x [T, d_in], weight [d_out, d_in], h [T, r]
     and lora_B [d_out, r] (activation dtype) and ``scaling`` are needed too, to recompute inner
     for columns with g = 0 (magnitude 0, or m / n below fp32's range). ``reduce_config``
-    overrides ``config.BWD`` (the benchmark sweeps candidates).
+    overrides ``config.BWD`` (the benchmark sweeps candidates). ``out``: where dy_g goes, a
+    [T, d_out] view with unit column stride (the stacked weights' [dy_g | s·t] rows); a new
+    tensor by default. Not with ``dropout`` (dy_g1 takes dy_g's strides).
     """
     check_launchable(dy, saved)
     magnitude, norm = unit_stride(magnitude, norm)
     M, N = dy.shape
-    dyg = torch.empty((M, N), dtype=dy.dtype, device=dy.device)
+    if out is None:
+        dyg = torch.empty((M, N), dtype=dy.dtype, device=dy.device)
+    elif dropout or out.shape != (M, N) or out.dtype != dy.dtype or out.stride(1) != 1:
+        raise ValueError(
+            f"scale_reduce: out must be a {dy.dtype} [{M}, {N}] view with unit column stride, "
+            f"without dropout; got {out.dtype} {tuple(out.shape)} strides {out.stride()}, "
+            f"dropout={dropout}"
+        )
+    else:
+        dyg = out
     dyg1 = torch.empty_like(dyg) if dropout else None
     if M == 0 or N == 0:
         dbias = torch.zeros(N, dtype=torch.float32, device=dy.device) if need_dbias else None
@@ -296,7 +310,9 @@ def scale_reduce(
         if need_dbias:
             raise ValueError("scale_reduce(recover=True) is for layers without a bias: need_dbias")
         check_launchable(x, weight)
-        h, lora_B = h.contiguous(), lora_B.contiguous()
+        lora_B = lora_B.contiguous()
+        if h.stride(1) != 1:
+            h = h.contiguous()
     cfg = reduce_config or config.BWD
     bm = config.interp_small(cfg.block_m)
     bn = config.interp_small(cfg.block_n, 32)
@@ -342,6 +358,7 @@ def scale_reduce(
         *dyg.stride(),
         *x.stride(),
         *weight.stride(),
+        h.stride(0),
         _FINITE_MAX[dy.dtype],
         float(scaling),
         EPS=config.EPS,

@@ -38,6 +38,9 @@ def element_span(t: torch.Tensor) -> int:
     """Elements between a tensor's first and last addressed element, inclusive."""
     if t.numel() == 0:
         return 0
+    if t.dim() == 2:  # the kernels' matrices (column views of stacked products): no loop
+        (rows, cols), (s0, s1) = t.shape, t.stride()
+        return 1 + (rows - 1) * s0 + (cols - 1) * s1
     return 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
 
 
@@ -51,7 +54,7 @@ def check_launchable(*tensors: torch.Tensor) -> None:
                 "impl='fused' on CPU needs the Triton interpreter: set TRITON_INTERPRET=1 before "
                 "importing dora_torch (or use impl='eager')"
             )
-        # Contiguous tensors span numel() elements: skip the Python loop of element_span.
+        # Contiguous tensors span numel() elements: skip element_span's Python for them.
         span = t.numel() if t.is_contiguous() else element_span(t)
         if span >= MAX_KERNEL_SPAN:
             raise ValueError(

@@ -1,0 +1,347 @@
+"""Stacked weights (``dora_torch.Linear(stack_weights=True)``, ``dora_torch.stacking``): the
+one-GEMM paths give the two-GEMM paths' results, the stacked rows are never stale (every
+optimizer kind, ``to()``, ``load_state_dict``, merges), a pending backward whose a was
+rewritten is refused, and every case the stacked paths do not serve falls back to them.
+
+The fused tier runs through the Triton interpreter here (tests/conftest.py)."""
+
+from __future__ import annotations
+
+import copy
+import gc
+import weakref
+
+import pytest
+import torch
+from torch import nn
+
+import dora_torch
+from dora_torch import ops
+from dora_torch.kernels.backward import scale_reduce
+
+from .helpers import uncached_output
+from .test_cache import OPTIMIZERS
+
+D_IN, D_OUT, R, TOKENS = 32, 24, 4, 12
+
+
+def _pair(
+    *, dtype=torch.float32, adapter_dtype=None, bias=False, seed=0, impl="fused",
+    device="cpu", d_in=D_IN, d_out=D_OUT, r=R, **kw,
+):  # fmt: skip
+    """(reference, stacked): the same layer twice, B nonzero, one of them stacked."""
+    torch.manual_seed(seed)
+    base = nn.Linear(d_in, d_out, bias=bias).to(device=device, dtype=dtype)
+    opts = dict(r=r, lora_alpha=8, impl=impl, adapter_dtype=adapter_dtype, **kw)
+    ref = dora_torch.Linear.from_linear(copy.deepcopy(base), **opts)
+    stk = dora_torch.Linear.from_linear(copy.deepcopy(base), stack_weights=True, **opts)
+    with torch.no_grad():
+        ref.lora_B.normal_()
+        stk.lora_B.copy_(ref.lora_B)
+        stk.lora_A.copy_(ref.lora_A)
+    return ref, stk
+
+
+def _stacked_output(y: torch.Tensor, layer) -> bool:
+    """Whether y was written over the stacked product [T, d_out + r] (no bias)."""
+    rows = y.numel() // layer.out_features
+    width = layer.out_features + layer.r
+    return y.untyped_storage().nbytes() == rows * width * y.element_size()
+
+
+class _BackwardSpy:
+    """Records whether each ``ops.backward_core`` call got stacked weights."""
+
+    def __init__(self, monkeypatch):
+        self.stacked = []
+        real = ops.backward_core
+
+        def spy(*args, **kwargs):
+            self.stacked.append(kwargs.get("stacked") is not None)
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(ops, "backward_core", spy)
+
+
+def _ulp_close(actual, expected, name, ulps=2):
+    """|actual − expected| within ``ulps`` units of the dtype's rounding at the largest
+    |expected| (fp32: 2^-23, bf16: 2^-7 relative): the stacked GEMMs round once where the
+    two-GEMM path rounds twice, and nothing else differs."""
+    eps = torch.finfo(expected.dtype).eps
+    actual, expected = actual.detach().float(), expected.detach().float()
+    scale = float(expected.abs().max())
+    err = float((actual - expected).abs().max())
+    assert err <= ulps * eps * scale, f"{name}: {err} > {ulps} ulp of {scale}"
+
+
+CASES = {
+    "fp32": dict(dtype=torch.float32),
+    "fp32_bias": dict(dtype=torch.float32, bias=True),
+    "bf16_fp32_adapters": dict(dtype=torch.bfloat16),
+    "bf16_bf16_adapters": dict(dtype=torch.bfloat16, adapter_dtype=torch.bfloat16),
+}
+
+
+def _check_against_two_gemms(ref, stk, x, spy, bias):
+    """The stacked layer's forward and gradients against the two-GEMM layer's."""
+    x_ref, x_stk = (x.clone().requires_grad_() for _ in range(2))
+    y_ref, y_stk = ref(x_ref), stk(x_stk)
+    assert bias or _stacked_output(y_stk, stk)
+    dy = torch.randn_like(y_ref)
+    y_ref.backward(dy)
+    y_stk.backward(dy)
+    assert spy.stacked == [False, True]
+    _ulp_close(y_stk, y_ref, "y")
+    _ulp_close(x_stk.grad, x_ref.grad, "dx")
+    for name in ("lora_A", "lora_B", "lora_magnitude_vector"):
+        _ulp_close(getattr(stk, name).grad, getattr(ref, name).grad, name, ulps=4)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_stacked_forward_and_gradients_match_the_two_gemm_paths(case, monkeypatch):
+    spec = CASES[case]
+    ref, stk = _pair(**spec)
+    x = torch.randn(3, 4, D_IN, dtype=spec["dtype"])
+    _check_against_two_gemms(ref, stk, x, _BackwardSpy(monkeypatch), spec.get("bias"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", list(CASES))
+def test_cuda_stacked_forward_and_gradients_match_the_two_gemm_paths(case, monkeypatch):
+    """cuBLAS and the compiled kernels, on shapes that are no multiple of any block."""
+    spec = CASES[case]
+    ref, stk = _pair(device="cuda", d_in=136, d_out=200, r=12, **spec)
+    x = torch.randn(3, 101, 136, device="cuda", dtype=spec["dtype"])
+    _check_against_two_gemms(ref, stk, x, _BackwardSpy(monkeypatch), spec.get("bias"))
+
+
+@pytest.mark.gpu
+def test_cuda_graph_replays_the_stacked_step():
+    """fwd+bwd captured in one CUDA graph (``bench_torch_layer``'s graphed rows), the norm
+    recomputed inside: each replay gives the eager step's gradients for the current A."""
+    ref, stk = _pair(device="cuda", dtype=torch.bfloat16, adapter_dtype=torch.bfloat16,
+                     d_in=256, d_out=192, r=16)  # fmt: skip
+    x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(64, 192, device="cuda", dtype=torch.bfloat16)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            stk(x).backward(dy)
+    torch.cuda.current_stream().wait_stream(side)
+    dora_torch.clear_caches(stk)
+    stk._dora_norm_cache.base_sq(stk.weight)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        stk(x).backward(dy)
+    for _ in range(2):
+        with torch.no_grad():
+            stk.lora_A.add_(0.01 * torch.randn_like(stk.lora_A))
+            ref.lora_A.copy_(stk.lora_A)
+        for p in (*stk.parameters(), *ref.parameters()):
+            if p.grad is not None:
+                p.grad.zero_()
+        graph.replay()
+        ref(x).backward(dy)
+        torch.cuda.synchronize()
+        for name in ("lora_A", "lora_B", "lora_magnitude_vector"):
+            _ulp_close(getattr(stk, name).grad, getattr(ref, name).grad, name, ulps=4)
+
+
+def test_zero_magnitude_rows_recover_through_the_stacked_h():
+    """SAVE_RECOVER's columns with g = 0 recompute inner from h, a column view of the stacked
+    product (row stride d_out + r) in the scale-and-reduce kernel."""
+    ref, stk = _pair()
+    with torch.no_grad():
+        for layer in (ref, stk):
+            layer.lora_magnitude_vector[:5] = 0.0
+    x = torch.randn(TOKENS, D_IN)
+    dy = torch.randn(TOKENS, D_OUT)
+    ref(x).backward(dy)
+    stk(x).backward(dy)
+    dm_ref = ref.lora_magnitude_vector.grad
+    assert float(dm_ref[:5].abs().min()) > 0  # the recomputed columns carry a gradient
+    _ulp_close(stk.lora_magnitude_vector.grad, dm_ref, "dm", ulps=8)
+
+
+def test_the_weight_parameter_keeps_its_identity_and_values():
+    torch.manual_seed(0)
+    linear = nn.Linear(D_IN, D_OUT, bias=False)
+    before = linear.weight.detach().clone()
+    layer = dora_torch.Linear.from_linear(linear, r=R, lora_alpha=8, stack_weights=True)
+    stack = layer._dora_stack
+    assert layer.weight is linear.weight
+    assert layer.weight.data_ptr() == stack.buffer.data_ptr()
+    torch.testing.assert_close(layer.weight.detach(), before, rtol=0, atol=0)
+    assert list(layer.state_dict()) == list(
+        dora_torch.Linear.from_linear(
+            nn.Linear(D_IN, D_OUT, bias=False), r=R, lora_alpha=8
+        ).state_dict()
+    )
+    assert "stack_weights=True" in repr(layer)
+
+
+@pytest.mark.parametrize("adapter_dtype", [None, torch.bfloat16], ids=["fp32_A", "bf16_A"])
+@pytest.mark.parametrize("kind", list(OPTIMIZERS))
+def test_every_optimizer_step_reaches_the_stacked_rows(kind, adapter_dtype):
+    _, layer = _pair(dtype=torch.bfloat16, adapter_dtype=adapter_dtype)
+    assert layer._dora_stack.owns_a == (adapter_dtype is not None)
+    opt = OPTIMIZERS[kind]([p for p in layer.parameters() if p.requires_grad])
+    x = torch.randn(8, D_IN, dtype=torch.bfloat16)
+    for _ in range(3):
+        opt.zero_grad()
+        layer(x).float().pow(2).mean().backward()
+        opt.step()
+        y = layer(x)
+        assert _stacked_output(y, layer)
+        # the two-GEMM path on the same parameters, nothing cached
+        _ulp_close(y, uncached_output(layer, x, impl="fused"), "y after a step")
+        cast = layer.lora_A.detach().to(torch.bfloat16)
+        torch.testing.assert_close(layer._dora_stack.buffer[D_OUT:], cast, rtol=0, atol=0)
+
+
+def test_a_pending_backward_whose_a_was_rewritten_is_refused():
+    """An update of A between a forward and its backward rewrites the stacked rows (fp32 A:
+    the next forward's cast; bf16 A: the optimizer itself): autograd refuses the backward,
+    as it does for PEFT's saved A."""
+    for adapter_dtype in (None, torch.bfloat16):
+        _, layer = _pair(dtype=torch.bfloat16, adapter_dtype=adapter_dtype)
+        opt = torch.optim.AdamW([layer.lora_A], lr=0.1, foreach=True)
+        x = torch.randn(8, D_IN, dtype=torch.bfloat16)
+        pending = layer(x).float().sum()
+        layer(x).float().sum().backward()
+        opt.step()
+        layer(x)  # a new entry: fp32 A's cast is written into the rows
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            pending.backward()
+
+
+def test_to_restacks_and_releases_the_old_buffer():
+    _, layer = _pair()
+    old = weakref.ref(layer._dora_stack.buffer)
+    layer.to(torch.bfloat16)
+    gc.collect()
+    assert old() is None
+    stack = layer._dora_stack
+    assert stack.holds(layer.weight, layer.lora_A) and stack.buffer.dtype == torch.bfloat16
+    assert stack.owns_a
+    x = torch.randn(TOKENS, D_IN, dtype=torch.bfloat16)
+    y = layer(x)
+    assert _stacked_output(y, layer)
+    _ulp_close(y, uncached_output(layer, x, impl="fused"), "y after to()")
+
+
+@pytest.mark.parametrize("assign", [False, True])
+def test_load_state_dict_keeps_the_rows_current(assign):
+    ref, layer = _pair()
+    with torch.no_grad():
+        ref.weight.mul_(0.5)
+        ref.lora_A.normal_()
+    layer.load_state_dict(ref.state_dict(), assign=assign)
+    stack = layer._dora_stack
+    assert stack.holds(layer.weight, layer.lora_A)
+    torch.testing.assert_close(stack.buffer[:D_OUT], ref.weight.detach(), rtol=0, atol=0)
+    x = torch.randn(TOKENS, D_IN)
+    y = layer(x)
+    assert _stacked_output(y, layer)
+    _ulp_close(y, ref(x), "y after load_state_dict")
+
+
+def test_merge_and_unmerge_write_through_the_stack():
+    _, layer = _pair()
+    x = torch.randn(TOKENS, D_IN)
+    y0 = layer(x).detach()
+    layer.merge()
+    assert layer._dora_stack.holds(layer.weight, layer.lora_A)
+    _ulp_close(layer(x), y0, "merged", ulps=16)
+    layer.unmerge()
+    y1 = layer(x)
+    assert _stacked_output(y1, layer)
+    _ulp_close(y1, y0, "unmerged", ulps=16)
+
+
+@pytest.mark.parametrize(
+    "change",
+    ["dropout", "recompute_inner", "eager", "autocast", "moved_weight"],
+)
+def test_calls_the_stacked_paths_do_not_serve_take_the_two_gemm_paths(change, monkeypatch):
+    kw = {
+        "dropout": dict(lora_dropout=0.25),
+        "recompute_inner": dict(recompute_inner=True),
+        "eager": dict(impl="eager"),
+    }.get(change, {})
+    _, layer = _pair(**kw)
+    x = torch.randn(TOKENS, D_IN)
+    if change == "moved_weight":  # a new storage that _apply did not see: no stacked path
+        layer.weight.data = layer.weight.data.clone()
+    spy = _BackwardSpy(monkeypatch)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=change == "autocast"):
+        y = layer(x)
+        y.float().sum().backward()
+        want = None if change == "dropout" else uncached_output(layer, x, impl=layer.impl)
+    assert spy.stacked == [False]
+    assert not _stacked_output(y, layer)
+    if want is not None:
+        _ulp_close(y, want, "y", ulps=4)
+
+
+def test_a_bad_stack_weights_changes_nothing():
+    linear = nn.Linear(D_IN, D_OUT)
+    storage = linear.weight.data_ptr()
+    with pytest.raises(TypeError, match="stack_weights must be a bool"):
+        dora_torch.Linear.from_linear(linear, r=R, lora_alpha=8, stack_weights=1)
+    assert linear.weight.requires_grad and linear.weight.data_ptr() == storage
+
+
+def test_stacked_paths_refuse_what_they_do_not_compute():
+    x = torch.randn(4, D_IN)
+    w = torch.randn(D_OUT, D_IN)
+    a, b = torch.randn(R, D_IN), torch.randn(D_OUT, R)
+    m, n = torch.ones(D_OUT), torch.ones(D_OUT)
+    stacked = torch.cat([w, a])
+    for impl, x_d, save in (("eager", None, ops.SAVE_INNER), ("fused", x, ops.SAVE_INNER),
+                            ("fused", None, ops.SAVE_RECOMPUTE)):  # fmt: skip
+        opts = ops.LinearOptions(2.0, impl, save)
+        with pytest.raises(ValueError, match="stacked weights need impl='fused'"):
+            ops.forward_core(x, x_d, w, a, b, m, n, None, opts, stacked)
+    dy = torch.randn(4, D_OUT)
+    with pytest.raises(ValueError, match="out must be a"):
+        scale_reduce(dy, dy, m, n, recover=False, dropout=False, need_dbias=False,
+                     out=torch.empty(4, D_OUT + 1)[:, 1:].t().t()[:3])  # fmt: skip
+    with pytest.raises(ValueError, match="without dropout"):
+        scale_reduce(dy, dy, m, n, recover=False, dropout=True, need_dbias=False,
+                     out=torch.empty(4, D_OUT))  # fmt: skip
+
+
+def test_compiled_graphs_run_a_stacked_layer_without_graph_breaks():
+    """Compiled graphs take the two-GEMM path (the stack serves eager calls): a stacked
+    module compiles whole, in training and eval (the eager tier: CPU graphs cannot run the
+    interpreted kernels, tests/torch/test_compile.py)."""
+    ref, layer = _pair(impl="eager")
+    x = torch.randn(TOKENS, D_IN)
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    y = compiled(x)
+    y.sum().backward()
+    ref(x).sum().backward()
+    _ulp_close(y, ref(x), "compiled y", ulps=4)
+    _ulp_close(layer.lora_A.grad, ref.lora_A.grad, "compiled dA", ulps=8)
+    layer.eval()
+    ref.eval()
+    with torch.no_grad():
+        _ulp_close(compiled(x), ref(x), "compiled eval y", ulps=4)
+
+
+def test_the_constructor_stacks_and_inference_mode_calls_take_the_stacked_path():
+    torch.manual_seed(0)
+    layer = dora_torch.Linear(
+        D_IN, D_OUT, r=R, lora_alpha=8, bias=False, dtype=torch.bfloat16, impl="fused",
+        stack_weights=True,
+    )  # fmt: skip
+    assert not layer._dora_stack.owns_a  # fp32 adapters on a bf16 base: F holds their cast
+    with torch.no_grad():
+        layer.lora_B.normal_()
+    x = torch.randn(TOKENS, D_IN, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        y = layer(x)
+    assert _stacked_output(y, layer)
+    _ulp_close(y, uncached_output(layer, x, impl="fused"), "y under inference_mode")
