@@ -145,7 +145,7 @@ def module_dora_linear(
         and not (training and dropout_p > 0)
         and stack.holds(weight, lora_A)
     ):
-        a, stacked = stack.sync(entry), stack.buffer
+        a, stacked = stack.adapter_rows(entry, weight), stack.buffer(weight)
     # The cache's entry is the norm of this tier and dtype: straight to the products.
     y = _run(x, weight, lora_A, lora_B, magnitude, norm, scaling, bias, tier=tier,
              dropout_p=dropout_p, training=training, adapters=(a, b),

@@ -7,29 +7,35 @@ pair is one GEMM (docs/design.md §4, "stacked weights"):
 
     x Fᵀ = [base | h],        [dy_g | s·t] F = dx
 
-``StackedWeights`` owns F. W's Parameter is re-homed into its first d_out rows (its values
-copied once, its Parameter object kept), and so is lora_A's when A already has W's dtype; for
-adapters in another dtype (PEFT's fp32 default) the last r rows hold A's cast, written when
-the module's cache recomputes its entry (``sync``). The Parameters view F through aliases
-with version counters of their own (``Tensor.data``), so an optimizer step on A does not look
-like a write to W to the caches, and a cast written into the last rows while a backward that
-saved them is pending is refused by autograd (that backward's a would no longer be the one
-its forward used).
+``StackedWeights`` re-homes W's Parameter into the first d_out rows of a new buffer (its
+values copied once, the Parameter object kept), and lora_A's into the last r rows when A
+already has W's dtype; for adapters in another dtype (PEFT's fp32 default) the last r rows
+hold A's cast, written when the module's cache makes a new entry (``adapter_rows``).
 
-``holds`` tells whether the Parameters still live in F: ``module.to()``, ``load_state_dict(
-assign=True)`` and sharding give them new storage. The layer then takes the two-GEMM path
-and re-stacks (``dora_torch.Linear`` does after ``_apply``); a forward never allocates F.
+Nothing here holds the buffer: W's (and A's) storage is the buffer's, and a stack keeps only
+a weak reference to that storage. When ``module.to()``, ``load_state_dict(assign=True)`` or
+sharding give W new storage, the old buffer is freed with the old W, and ``holds`` turns
+False: calls take the two-GEMM path until something re-stacks (``dora_torch.Linear`` does
+after ``_apply`` and loads). ``buffer`` views F from W on each call.
+
+The Parameters view the buffer through aliases with version counters of their own
+(``Tensor.data``), so an optimizer step on A is no write to W for the caches. The rows that
+hold a cast are written through one alias, which pending backwards keep (they save it as
+their a): a cast written while such a backward is pending bumps that alias's version, and
+autograd refuses the backward, whose a would no longer be its forward's.
 """
 
 from __future__ import annotations
+
+import weakref
 
 import torch
 
 
 class StackedWeights:
-    """F = [W; a] for one layer (module doc). ``buffer`` is F; ``tail`` its last r rows."""
+    """F = [W; a] for one layer (module doc)."""
 
-    __slots__ = ("_shape", "_source", "buffer", "owns_a", "tail")
+    __slots__ = ("_rows", "_source", "_storage", "_tail", "owns_a")
 
     @torch.no_grad()
     def __init__(self, weight: torch.nn.Parameter, lora_A: torch.nn.Parameter) -> None:
@@ -40,33 +46,49 @@ class StackedWeights:
         self.owns_a = lora_A.dtype == weight.dtype and lora_A.device == weight.device
         if self.owns_a:
             buffer[d_out:].copy_(lora_A)
-        # From here on nothing can fail: the Parameters move into F.
+        # From here on nothing can fail: the Parameters move into the buffer.
         weight.data = buffer.data[:d_out]
         if self.owns_a:
             lora_A.data = buffer.data[d_out:]
-        self.buffer = buffer
-        self.tail = buffer.data[d_out:]  # written by ``sync`` (A in another dtype)
-        self._source = None  # the cache entry whose cast ``tail`` holds
-        self._shape = (d_out, r, d_in)
+        self._storage = weakref.ref(buffer.untyped_storage())
+        self._rows = (d_out, r, d_in)
+        self._tail = None  # weak: the alias the last r rows are written through
+        self._source = None  # the cache entry whose cast those rows hold
 
     def holds(self, weight: torch.Tensor, lora_A: torch.Tensor) -> bool:
-        """Whether W (and A, when F holds it) still are F's rows, as built."""
-        buffer, (d_out, r, d_in) = self.buffer, self._shape
-        if weight.data_ptr() != buffer.data_ptr() or weight.shape != (d_out, d_in):
+        """Whether W (and A, when the buffer holds it) still are the buffer's rows."""
+        storage, (d_out, r, d_in) = self._storage(), self._rows
+        if storage is None or weight.untyped_storage() is not storage:
             return False
-        if weight.dtype != buffer.dtype or weight.stride() != (d_in, 1):
+        if weight.storage_offset() != 0 or weight.shape != (d_out, d_in):
             return False
-        if self.owns_a:
-            return lora_A.data_ptr() == self.tail.data_ptr() and lora_A.shape == (r, d_in)
-        return lora_A.shape == (r, d_in)
+        if weight.stride() != (d_in, 1):
+            return False
+        if not self.owns_a:
+            return True
+        return (
+            lora_A.untyped_storage() is storage
+            and lora_A.storage_offset() == d_out * d_in
+            and lora_A.shape == (r, d_in)
+        )
 
-    def sync(self, entry: tuple) -> torch.Tensor:
+    def buffer(self, weight: torch.Tensor) -> torch.Tensor:
+        """F [d_out + r, d_in], viewed from W (which ``holds``)."""
+        d_out, r, d_in = self._rows
+        return weight.data.as_strided((d_out + r, d_in), (d_in, 1), 0)
+
+    def adapter_rows(self, entry: tuple, weight: torch.Tensor) -> torch.Tensor:
         """The a that F's last r rows hold for ``entry`` (the cache's (n, a, b), a in W's
-        dtype): ``entry``'s own a when F holds A itself, else ``tail`` with that cast copied
+        dtype): ``entry``'s own a when F holds A itself; else the rows, with that cast copied
         in when the entry is new (by identity: every recomputation makes a new tuple)."""
         if self.owns_a:
             return entry[1]
+        tail = None if self._tail is None else self._tail()
+        if tail is None:  # no pending backward keeps the alias: a new one
+            d_out, r, d_in = self._rows
+            tail = weight.data.as_strided((r, d_in), (d_in, 1), d_out * d_in)
+            self._tail = weakref.ref(tail)
         if entry is not self._source:
-            self.tail.copy_(entry[1])
+            tail.copy_(entry[1])
             self._source = entry
-        return self.tail
+        return tail

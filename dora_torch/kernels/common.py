@@ -38,9 +38,6 @@ def element_span(t: torch.Tensor) -> int:
     """Elements between a tensor's first and last addressed element, inclusive."""
     if t.numel() == 0:
         return 0
-    if t.dim() == 2:  # the kernels' matrices (column views of stacked products): no loop
-        (rows, cols), (s0, s1) = t.shape, t.stride()
-        return 1 + (rows - 1) * s0 + (cols - 1) * s1
     return 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
 
 
@@ -54,8 +51,15 @@ def check_launchable(*tensors: torch.Tensor) -> None:
                 "impl='fused' on CPU needs the Triton interpreter: set TRITON_INTERPRET=1 before "
                 "importing dora_torch (or use impl='eager')"
             )
-        # Contiguous tensors span numel() elements: skip element_span's Python for them.
-        span = t.numel() if t.is_contiguous() else element_span(t)
+        # Contiguous tensors span numel() elements; a view spans at most its storage, which
+        # settles the usual case without element_span's Python (column views of stacked
+        # products, PEFT's transposed weights).
+        if t.is_contiguous():
+            span = t.numel()
+        else:
+            span = t.untyped_storage().nbytes() // t.element_size()
+            if span >= MAX_KERNEL_SPAN:
+                span = element_span(t)
         if span >= MAX_KERNEL_SPAN:
             raise ValueError(
                 f"impl='fused' indexes with int32 offsets; a tensor of shape {tuple(t.shape)} "

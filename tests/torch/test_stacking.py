@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import copy
 import gc
-import weakref
 
 import pytest
 import torch
@@ -171,7 +170,7 @@ def test_the_weight_parameter_keeps_its_identity_and_values():
     layer = dora_torch.Linear.from_linear(linear, r=R, lora_alpha=8, stack_weights=True)
     stack = layer._dora_stack
     assert layer.weight is linear.weight
-    assert layer.weight.data_ptr() == stack.buffer.data_ptr()
+    assert layer.weight.data_ptr() == stack.buffer(layer.weight).data_ptr()
     torch.testing.assert_close(layer.weight.detach(), before, rtol=0, atol=0)
     assert list(layer.state_dict()) == list(
         dora_torch.Linear.from_linear(
@@ -197,7 +196,8 @@ def test_every_optimizer_step_reaches_the_stacked_rows(kind, adapter_dtype):
         # the two-GEMM path on the same parameters, nothing cached
         _ulp_close(y, uncached_output(layer, x, impl="fused"), "y after a step")
         cast = layer.lora_A.detach().to(torch.bfloat16)
-        torch.testing.assert_close(layer._dora_stack.buffer[D_OUT:], cast, rtol=0, atol=0)
+        rows = layer._dora_stack.buffer(layer.weight)[D_OUT:]
+        torch.testing.assert_close(rows, cast, rtol=0, atol=0)
 
 
 def test_a_pending_backward_whose_a_was_rewritten_is_refused():
@@ -218,17 +218,33 @@ def test_a_pending_backward_whose_a_was_rewritten_is_refused():
 
 def test_to_restacks_and_releases_the_old_buffer():
     _, layer = _pair()
-    old = weakref.ref(layer._dora_stack.buffer)
+    old = layer._dora_stack._storage  # a weak reference
     layer.to(torch.bfloat16)
     gc.collect()
     assert old() is None
     stack = layer._dora_stack
-    assert stack.holds(layer.weight, layer.lora_A) and stack.buffer.dtype == torch.bfloat16
+    assert stack.holds(layer.weight, layer.lora_A) and layer.weight.dtype == torch.bfloat16
     assert stack.owns_a
     x = torch.randn(TOKENS, D_IN, dtype=torch.bfloat16)
     y = layer(x)
     assert _stacked_output(y, layer)
     _ulp_close(y, uncached_output(layer, x, impl="fused"), "y after to()")
+
+
+def test_the_stack_holds_no_buffer_of_its_own():
+    """W and A given new storage behind the module's back: the old buffer is freed with
+    them (the stack keeps a weak reference), and calls take the two-GEMM path."""
+    _, layer = _pair()
+    old = layer._dora_stack._storage
+    layer.weight.data = layer.weight.data.clone()
+    layer.lora_A.data = layer.lora_A.data.clone()
+    gc.collect()
+    assert old() is None
+    assert not layer._dora_stack.holds(layer.weight, layer.lora_A)
+    x = torch.randn(TOKENS, D_IN)
+    y = layer(x)
+    assert not _stacked_output(y, layer)
+    _ulp_close(y, uncached_output(layer, x, impl="fused"), "y after the move", ulps=4)
 
 
 @pytest.mark.parametrize("assign", [False, True])
@@ -240,7 +256,9 @@ def test_load_state_dict_keeps_the_rows_current(assign):
     layer.load_state_dict(ref.state_dict(), assign=assign)
     stack = layer._dora_stack
     assert stack.holds(layer.weight, layer.lora_A)
-    torch.testing.assert_close(stack.buffer[:D_OUT], ref.weight.detach(), rtol=0, atol=0)
+    torch.testing.assert_close(
+        stack.buffer(layer.weight)[:D_OUT], ref.weight.detach(), rtol=0, atol=0
+    )
     x = torch.randn(TOKENS, D_IN)
     y = layer(x)
     assert _stacked_output(y, layer)
