@@ -13,7 +13,10 @@ Providers (the base model is built once and re-wrapped for each, then unwrapped)
     ``dora_torch.accelerate_peft``;
   - ``ours_recompute_fp32`` / ``ours_recompute_bf16`` (asked for by name, not in the default
     list): ``ours_fp32`` / ``ours_bf16`` with ``recompute_modules=RECOMPUTE_MODULES``, the
-    layers ``work_floor.cheapest_recompute`` picks for a batch-4 peak ≤ 1.05× PEFT LoRA's.
+    layers ``work_floor.cheapest_recompute`` picks for a batch-4 peak ≤ 1.05× PEFT LoRA's;
+  - ``ours_stacked_fp32`` / ``ours_stacked_bf16`` (by name too): with
+    ``stack_modules=".*"`` (every layer's W and A in one buffer: one GEMM for x Wᵀ and
+    x Aᵀ, one for dx, in eager calls; README "Stacked weights").
 
 Modes: ``eager``, ``compile`` (``torch.compile(model)``) and ``reduce-overhead``
 (``torch.compile(model, mode="reduce-overhead")``, CUDA graphs). The optimizer step stays
@@ -40,7 +43,7 @@ Metrics, medians of CUDA-event-timed calls after warm-up:
 Environment defaults for ``benchmarks.run``: ``DORA_BENCH_LAYERS`` (8), ``DORA_BENCH_RANKS``
 ("16,384"), ``DORA_BENCH_BATCHES`` ("1,4"), ``DORA_BENCH_MODES``
 ("eager,compile,reduce-overhead"), ``DORA_BENCH_OPTIMS`` ("foreach,fused"),
-``DORA_BENCH_PROVIDERS`` (all but ``ours_recompute_bf16``).
+``DORA_BENCH_PROVIDERS`` (all but the ``ours_recompute_*`` and ``ours_stacked_*`` ones).
 """
 
 from __future__ import annotations
@@ -72,11 +75,15 @@ PROVIDERS = {
     "ours_bf16": (True, False, True),
     "ours_recompute_fp32": (True, True, True),
     "ours_recompute_bf16": (True, False, True),
+    "ours_stacked_fp32": (True, True, True),
+    "ours_stacked_bf16": (True, False, True),
 }
 #: accelerate_peft's recompute_modules per provider (work_floor.cheapest_recompute, batch 4).
 RECOMPUTE_MODULES = ("q_proj", "k_proj", "o_proj")
 RECOMPUTE = {"ours_recompute_fp32": RECOMPUTE_MODULES, "ours_recompute_bf16": RECOMPUTE_MODULES}
-DEFAULT_PROVIDERS = [p for p in PROVIDERS if p not in RECOMPUTE]
+#: accelerate_peft's stack_modules per provider.
+STACK = {"ours_stacked_fp32": ".*", "ours_stacked_bf16": ".*"}
+DEFAULT_PROVIDERS = [p for p in PROVIDERS if p not in RECOMPUTE and p not in STACK]
 MODES = ("eager", "compile", "reduce-overhead")
 TRACE_STEP = "train_step"  # the profiler range around each profiled step
 OPTIMS = ("foreach", "fused")
@@ -152,7 +159,9 @@ def _wrap(base, name: str, rank: int):
     if ours:
         import dora_torch
 
-        dora_torch.accelerate_peft(model, recompute_modules=RECOMPUTE.get(name))
+        dora_torch.accelerate_peft(
+            model, recompute_modules=RECOMPUTE.get(name), stack_modules=STACK.get(name)
+        )
     return model
 
 

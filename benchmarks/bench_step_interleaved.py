@@ -33,7 +33,10 @@ Variants (each on a fresh copy of the 8-layer base, ``lora_alpha = 2r``, AdamW f
     (``NORM_ASSEMBLY = "kernel"``, the default before session 6);
   - ``ours_no_norm_pass``: the norm without the one-pass kernel (``NORM_PASS_MAX_RANK = 0``);
   - ``ours_fp32_gemm_assembly``: the gemm assembly's B·G as an fp32 GEMM, not bf16x3
-    (``NORM_GEMM_BF16X3`` off; matters from r = ``NORM_GEMM_MIN_RANK``).
+    (``NORM_GEMM_BF16X3`` off; matters from r = ``NORM_GEMM_MIN_RANK``);
+  - ``ours_recompute``: ``recompute_modules`` for q, k and o (``bench_model_torch.RECOMPUTE``);
+  - ``ours_stacked``: ``stack_modules=".*"`` (``bench_model_torch.STACK``; eager only: compiled
+    graphs take the two-GEMM path).
 
 With ``--rev DIR`` (a copy of an earlier revision written by ``benchmarks.revision_copy``)
 the variant ``ours_rev`` runs that revision's ``accelerate_peft`` beside ``ours``, in every
@@ -66,10 +69,13 @@ VARIANTS = {
     "ours_fp32_gemm_assembly": ("ours", {"NORM_GEMM_BF16X3": False}),
     "ours_static_launch": ("ours", {}),
     "ours_recompute": ("ours_recompute", {}),  # recompute_modules (bench_model_torch.RECOMPUTE)
+    "ours_stacked": ("ours_stacked", {}),  # stack_modules (bench_model_torch.STACK)
     "peft_dora": ("peft_dora", {}),
 }
 #: Inductor options of the compiled variants (``torch.compile(..., options=...)``).
 INDUCTOR_OPTIONS = {"ours_static_launch": {"static_launch_user_defined_triton_kernels": True}}
+#: Variants whose difference only eager calls see (compiled graphs take the two-GEMM path).
+EAGER_ONLY = {"ours_stacked"}
 MODES = ("eager", "compile", "reduce-overhead")
 SWITCHES = sorted({key for _, overrides in VARIANTS.values() for key in overrides})
 FIELDS = [
@@ -88,7 +94,10 @@ def variants_for(mode: str, requested=None) -> list[str]:
         raise ValueError(f"mode must be one of {MODES}; got {mode!r}")
     out = []
     for name, (_, overrides) in VARIANTS.items():
-        fits_mode = name not in INDUCTOR_OPTIONS if mode == "eager" else not overrides
+        if mode == "eager":
+            fits_mode = name not in INDUCTOR_OPTIONS
+        else:
+            fits_mode = not overrides and name not in EAGER_ONLY
         if fits_mode and (requested is None or name in requested):
             out.append(name)
     return out

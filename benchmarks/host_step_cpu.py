@@ -166,6 +166,8 @@ def build(variant: str, layers: int, hidden: int, r: int, rev=None):
                 p.normal_(0.0, 0.02)
     if variant == "ours":
         dora_torch.accelerate_peft(model)
+    elif variant == "ours_stacked":
+        dora_torch.accelerate_peft(model, stack_modules=".*")
     elif variant == "ours_rev":
         rev.accelerate_peft(model)
     return model.train()
@@ -264,7 +266,7 @@ def summary(times: dict[str, list[tuple]], calls: int, base_variant="peft_lora")
 
 #: Per workload: its variants (the first is the baseline the excess is counted against).
 WORKLOAD_VARIANTS = {
-    "model": ("peft_lora", "ours", "peft_dora"),
+    "model": ("peft_lora", "ours", "peft_dora", "ours_stacked"),
     "layer": ("lora_eq", "ours", "ours_stacked"),
 }
 
@@ -275,8 +277,8 @@ def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--workload", default="model", choices=tuple(WORKLOAD_VARIANTS))
     ap.add_argument("--variants", nargs="+", choices=VARIANTS,
-                    help="default: the workload's (model: peft_lora ours peft_dora; layer: "
-                    "lora_eq ours ours_stacked); the first is the baseline")  # fmt: skip
+                    help="default: the workload's (model: peft_lora ours peft_dora ours_stacked; "
+                    "layer: lora_eq ours ours_stacked); the first is the baseline")  # fmt: skip
     ap.add_argument(
         "--rev",
         metavar="DIR",

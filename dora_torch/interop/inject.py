@@ -64,6 +64,7 @@ def inject(
     freeze_base: bool = True,
     adapter_dtype: torch.dtype | None = None,
     recompute_modules: str | Sequence[str] | None = None,
+    stack_modules: str | Sequence[str] | None = None,
 ) -> nn.Module:
     """Replace every ``nn.Linear`` of ``model`` that ``target_modules`` selects by a
     ``dora_torch.Linear`` wrapping it (weight and bias shared, not copied); in place.
@@ -78,11 +79,15 @@ def inject(
     among the adapted layers those built with ``recompute_inner=True`` (their backward
     recomputes the layer's product instead of keeping a [tokens, out_features] tensor; for
     layers whose output the next op does not keep, README "Memory (torch)").
+    stack_modules (experimental): the same forms, selecting the layers built with
+    ``stack_weights=True`` (W and A in one buffer: one GEMM for x Wᵀ and x Aᵀ, one for dx;
+    README "Stacked weights").
     Everything is checked before the model is touched: ValueError if nothing
-    matches, a match is not a plain ``nn.Linear``, or ``recompute_modules`` selects none of
-    the adapted layers. Returns ``model``.
+    matches, a match is not a plain ``nn.Linear``, or ``recompute_modules`` or
+    ``stack_modules`` selects none of the adapted layers. Returns ``model``.
     """
     recompute_modules = check_module_selection(recompute_modules, "recompute_modules")
+    stack_modules = check_module_selection(stack_modules, "stack_modules")
     config = pf.AdapterConfig(
         r=r,
         lora_alpha=lora_alpha,
@@ -91,9 +96,11 @@ def inject(
         alpha_pattern=dict(alpha_pattern or {}),
     )
     targets = _targets(model, target_modules)
-    recompute = selected_modules(
-        recompute_modules, targets, "recompute_modules", "layers target_modules adapts"
-    )
+    recompute, stacked = (
+        selected_modules(selection, targets, arg, "layers target_modules adapts")
+        for selection, arg in ((recompute_modules, "recompute_modules"),
+                               (stack_modules, "stack_modules"))
+    )  # fmt: skip
     return inject_from_config(
         model,
         config,
@@ -102,6 +109,7 @@ def inject(
         freeze_base=freeze_base,
         adapter_dtype=adapter_dtype,
         recompute=recompute,
+        stacked=stacked,
     )
 
 
@@ -114,10 +122,11 @@ def inject_from_config(
     freeze_base: bool,
     adapter_dtype: torch.dtype | None,
     recompute: Collection[str] = (),
+    stacked: Collection[str] = (),
 ) -> nn.Module:
     """Adapt exactly ``targets`` (path → nn.Linear) with each path's rank and alpha from
-    ``config``, the paths in ``recompute`` with ``recompute_inner``. New layers are all built
-    before the first one is installed."""
+    ``config``, the paths in ``recompute`` with ``recompute_inner``, those in ``stacked``
+    with ``stack_weights``. New layers are all built before the first one is installed."""
     new = {
         path: Linear.from_linear(
             lin,
@@ -127,6 +136,7 @@ def inject_from_config(
             lora_dropout=lora_dropout,
             adapter_dtype=adapter_dtype,
             recompute_inner=path in recompute,
+            stack_weights=path in stacked,
         )
         for path, lin in targets.items()
     }

@@ -34,26 +34,32 @@ from .. import cache
 from ..checks import FLOAT_DTYPES, check_impl, check_module_selection, selected_modules
 from ..functional import module_dora_linear
 from ..norm_group import group_norms
+from ..stacking import StackedWeights
 
 REPORT_ATTR = "dora_acceleration_report"
 IMPL_ATTR = "_dora_impl"  # the tier accelerate_peft was asked for ("auto" | "fused" | "eager")
 RECOMPUTE_ATTR = "_dora_recompute_inner"  # selected by accelerate_peft's recompute_modules
+STACK_ATTR = "_dora_stack"  # a StackedWeights (accelerate_peft's stack_modules) or None
 
 
 @dataclass
 class AccelerationReport:
-    """Which PEFT layers run on dora_torch (``accelerated``; ``recomputed``: those of them
-    ``recompute_modules`` selected) and which stay on PEFT's path (``skipped``: module name →
-    reason). Names are ``peft_model.named_modules()``'s."""
+    """Which PEFT layers run on dora_torch (``accelerated``; ``recomputed`` and ``stacked``:
+    those of them ``recompute_modules`` and ``stack_modules`` selected) and which stay on
+    PEFT's path (``skipped``: module name → reason). Names are
+    ``peft_model.named_modules()``'s."""
 
     accelerated: list[str] = field(default_factory=list)
     skipped: dict[str, str] = field(default_factory=dict)
     recomputed: list[str] = field(default_factory=list)
+    stacked: list[str] = field(default_factory=list)
 
     def __str__(self) -> str:
         lines = [f"{len(self.accelerated)} DoRA layer(s) accelerated, {len(self.skipped)} skipped"]
         if self.recomputed:
             lines[0] += f", {len(self.recomputed)} recomputing their product in backward"
+        if self.stacked:
+            lines[0] += f", {len(self.stacked)} with stacked weights"
         lines += [f"  skipped {name}: {why}" for name, why in self.skipped.items()]
         return "\n".join(lines)
 
@@ -195,6 +201,7 @@ def _accelerated_forward(self, x, *args, **kwargs):
         training=self.training,
         impl=state[IMPL_ATTR],
         recompute_inner=state[RECOMPUTE_ATTR],
+        stack=state[STACK_ATTR],
     )
     if not torch.compiler.is_compiling():
         state["last_impl"] = tier
@@ -212,8 +219,22 @@ def _is_accelerated(module) -> bool:
     return getattr(fwd, "__func__", None) is _accelerated_forward
 
 
+def _stack_for(module) -> StackedWeights:
+    """The layer's stack for its first active DoRA adapter (its first DoRA adapter when none
+    is active): the one it has while that still holds W and A, else a new one."""
+    dora = [a for a in module.lora_magnitude_vector if a in module._modules["lora_A"]._modules]
+    a = next((a for a in module.active_adapters if a in dora), dora[0])
+    weight, lora_A = _base_weight(module), _adapter_weight(module, "lora_A", a)
+    stack = module.__dict__.get(STACK_ATTR)
+    return (
+        stack
+        if stack is not None and stack.holds(weight, lora_A)
+        else StackedWeights(weight, lora_A)
+    )
+
+
 def accelerate_peft(
-    peft_model: nn.Module, *, impl: str = "auto", recompute_modules=None
+    peft_model: nn.Module, *, impl: str = "auto", recompute_modules=None, stack_modules=None
 ) -> nn.Module:
     """Make every eligible PEFT DoRA ``lora.Linear`` of ``peft_model`` compute with dora_torch.
 
@@ -226,12 +247,18 @@ def accelerate_peft(
     selects the layers that run with ``recompute_inner`` (``dora_torch.Linear``): their
     backward recomputes the layer's product instead of keeping a [tokens, out_features]
     tensor, for layers whose output the next op does not keep (README, "Memory (torch)").
-    Calling it again is harmless (it updates ``impl`` and the selection). Raises ValueError
-    if the model has no PEFT LoRA layer at all, or if ``recompute_modules`` selects no layer
-    that is accelerated; nothing is changed then.
+    ``stack_modules`` (the same forms; experimental) selects the layers whose base weight
+    and active DoRA adapter's A move into one buffer (``dora_torch.stacking``): their eager
+    fused calls make one GEMM of x Wᵀ and x Aᵀ, and one of dx (README, "Stacked weights").
+    Their base weights keep their Parameter objects and values. After ``model.to()`` they
+    take the two-GEMM path until ``accelerate_peft`` is called again, which re-stacks.
+    Calling it again is harmless (it updates ``impl`` and the selections). Raises ValueError
+    if the model has no PEFT LoRA layer at all, or if ``recompute_modules`` or
+    ``stack_modules`` selects no layer that is accelerated; nothing is changed then.
     """
     check_impl(impl)
     recompute_modules = check_module_selection(recompute_modules, "recompute_modules")
+    stack_modules = check_module_selection(stack_modules, "stack_modules")
     LoraLayer, LoraLinear, DoraLinearVariant = _peft_classes()
     report = AccelerationReport()
     eligible = {}
@@ -243,14 +270,21 @@ def accelerate_peft(
             eligible[name] = module
         else:
             report.skipped[name] = why
-    recompute = selected_modules(
-        recompute_modules, eligible, "recompute_modules", "layers accelerate_peft accelerates"
-    )
+    recompute, stacked = (
+        selected_modules(selection, eligible, arg, "layers accelerate_peft accelerates")
+        for selection, arg in ((recompute_modules, "recompute_modules"),
+                               (stack_modules, "stack_modules"))
+    )  # fmt: skip
+    # The stacks first: building one may fail (memory), and re-homing W changes no value.
+    stacks = {name: _stack_for(eligible[name]) for name in stacked}
     for name, module in eligible.items():
         setattr(module, IMPL_ATTR, impl)
         setattr(module, RECOMPUTE_ATTR, name in recompute)
+        module.__dict__[STACK_ATTR] = stacks.get(name)
         if name in recompute:
             report.recomputed.append(name)
+        if name in stacks:
+            report.stacked.append(name)
         if not _is_accelerated(module):
             module.last_impl = None
             module.forward = types.MethodType(_accelerated_forward, module)
@@ -277,7 +311,7 @@ def restore_peft(peft_model: nn.Module) -> nn.Module:
             del module.forward
             del module.train
             cache.detach_cache(module)
-            for attr in (IMPL_ATTR, RECOMPUTE_ATTR, "last_impl"):
+            for attr in (IMPL_ATTR, RECOMPUTE_ATTR, STACK_ATTR, "last_impl"):
                 module.__dict__.pop(attr, None)
     if REPORT_ATTR in peft_model.__dict__:
         delattr(peft_model, REPORT_ATTR)

@@ -13,6 +13,7 @@ from benchmarks.bench_step_interleaved import INDUCTOR_OPTIONS, VARIANTS, ratios
 def test_eager_runs_every_variant_without_inductor_options():
     assert variants_for("eager") == [n for n in VARIANTS if n not in INDUCTOR_OPTIONS]
     assert "ours_layer_norms" in variants_for("eager")
+    assert "ours_stacked" in variants_for("eager")
 
 
 @pytest.mark.parametrize("mode", ["compile", "reduce-overhead"])

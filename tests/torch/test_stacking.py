@@ -62,11 +62,11 @@ class _BackwardSpy:
         monkeypatch.setattr(ops, "backward_core", spy)
 
 
-def _ulp_close(actual, expected, name, ulps=2):
-    """|actual − expected| within ``ulps`` units of the dtype's rounding at the largest
-    |expected| (fp32: 2^-23, bf16: 2^-7 relative): the stacked GEMMs round once where the
-    two-GEMM path rounds twice, and nothing else differs."""
-    eps = torch.finfo(expected.dtype).eps
+def _ulp_close(actual, expected, name, ulps=2, dtype=None):
+    """|actual − expected| within ``ulps`` units of rounding at the largest |expected|, in
+    ``dtype`` (default expected's; fp32: 2^-23, bf16: 2^-7 relative): the stacked GEMMs
+    round once where the two-GEMM path rounds twice, and nothing else differs."""
+    eps = torch.finfo(dtype or expected.dtype).eps
     actual, expected = actual.detach().float(), expected.detach().float()
     scale = float(expected.abs().max())
     err = float((actual - expected).abs().max())
@@ -363,3 +363,98 @@ def test_the_constructor_stacks_and_inference_mode_calls_take_the_stacked_path()
         y = layer(x)
     assert _stacked_output(y, layer)
     _ulp_close(y, uncached_output(layer, x, impl="fused"), "y under inference_mode")
+
+
+# --------------------------------------------------------------- accelerate_peft, inject
+#: base dtype, PEFT's autocast_adapter_dtype (True: fp32 adapters on a bf16 base)
+PEFT_SETTINGS = {
+    "fp32": (torch.float32, True),
+    "bf16_fp32_adapters": (torch.bfloat16, True),
+    "bf16_bf16_adapters": (torch.bfloat16, False),
+}
+
+
+def _peft_llama(setting="fp32"):
+    """A tiny transformers Llama under PEFT DoRA on every projection, adapters randomized."""
+    from peft import LoraConfig, get_peft_model
+
+    from tests.parity.models import ALL_PROJ, randomize_dora, tiny_llama
+
+    dtype, autocast = PEFT_SETTINGS[setting]
+    config = LoraConfig(r=4, lora_alpha=8, use_dora=True, target_modules=ALL_PROJ)
+    model = get_peft_model(tiny_llama().to(dtype), config, autocast_adapter_dtype=autocast)
+    randomize_dora(model)
+    return model.train()
+
+
+def _loss_and_grads(model, ids):
+    model.zero_grad(set_to_none=True)
+    loss = model(input_ids=ids).logits.float().square().mean()
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return loss.detach(), grads
+
+
+@pytest.mark.parametrize("setting", list(PEFT_SETTINGS))
+def test_accelerate_peft_stacks_the_selected_layers(setting, monkeypatch):
+    ref = _peft_llama(setting)
+    model = copy.deepcopy(ref)
+    dora_torch.accelerate_peft(ref, impl="fused")
+    dora_torch.accelerate_peft(model, impl="fused", stack_modules=["q_proj", "down_proj"])
+    report = model.dora_acceleration_report
+    assert (
+        sorted(n.rsplit(".", 1)[-1] for n in report.stacked) == ["down_proj"] * 2 + ["q_proj"] * 2
+    )
+    assert "4 with stacked weights" in str(report)
+    owns = {m._dora_stack.owns_a for m in model.modules() if m.__dict__.get("_dora_stack")}
+    assert owns == {setting != "bf16_fp32_adapters"}
+    spy = _BackwardSpy(monkeypatch)
+    ids = torch.randint(0, 64, (2, 5))
+    loss_ref, grads_ref = _loss_and_grads(ref, ids)
+    stacked_calls = sum(spy.stacked)
+    loss, grads = _loss_and_grads(model, ids)
+    assert sum(spy.stacked) - stacked_calls == 4  # q and down of both decoder layers
+    # dx's one rounding instead of two reaches every earlier layer's gradients: judged in
+    # the activation dtype
+    dtype = PEFT_SETTINGS[setting][0]
+    _ulp_close(loss, loss_ref, "loss", ulps=8, dtype=dtype)
+    for name, g in grads_ref.items():
+        _ulp_close(grads[name], g, name, ulps=8, dtype=dtype)
+
+
+def test_accelerate_peft_restacks_after_to_and_validates_its_selection():
+    model = _peft_llama()
+    with pytest.raises(ValueError, match="stack_modules"):
+        dora_torch.accelerate_peft(model, stack_modules=["lm_head"])
+    assert not any("_dora_stack" in m.__dict__ for m in model.modules())  # untouched
+    dora_torch.accelerate_peft(model, impl="fused", stack_modules=".*")
+    layers = [m for m in model.modules() if m.__dict__.get("_dora_stack") is not None]
+    assert len(layers) == 14
+    layer = layers[0]
+    old = layer._dora_stack._storage
+    model.to(torch.bfloat16)
+    gc.collect()
+    assert old() is None  # the old buffer went with the old weights
+    weight, lora_A = layer.base_layer.weight, layer.lora_A["default"].weight
+    assert not layer._dora_stack.holds(weight, lora_A)
+    dora_torch.accelerate_peft(model, impl="fused", stack_modules=".*")  # re-stacks
+    assert layer._dora_stack.holds(weight, lora_A) and layer._dora_stack.owns_a
+    dora_torch.restore_peft(model)
+    assert not any("_dora_stack" in m.__dict__ for m in model.modules())
+
+
+def test_inject_builds_the_selected_layers_stacked():
+    from dora_torch.interop import dora_layers
+    from tests.parity.models import tiny_llama
+
+    model = tiny_llama()
+    with pytest.raises(ValueError, match="stack_modules"):
+        dora_torch.inject(
+            model, target_modules=["q_proj"], r=4, lora_alpha=8, stack_modules=["v_proj"]
+        )  # fmt: skip
+    assert not dora_layers(model)
+    dora_torch.inject(
+        model, target_modules=["q_proj", "v_proj"], r=4, lora_alpha=8, stack_modules=["v_proj"]
+    )  # fmt: skip
+    flags = {n.rsplit(".", 1)[-1]: m._dora_stack is not None for n, m in dora_layers(model).items()}
+    assert flags == {"q_proj": False, "v_proj": True}
