@@ -232,17 +232,18 @@ EAGER_TARGETS = {1: 1.25, 4: 1.12}
 
 def ratios(rows: list[dict], rev_commit: str | None = None) -> list[dict]:
     """The summary of one (rank, adapter setting, mode) block of ``measure`` rows: ours (and
-    ours_rev) against PEFT LoRA under the same optimizer, median over median, with issue
-    10's target (eager ≤ 1.25 at batch 1 and ≤ 1.12 at larger batches, compiled ≤ 1.10)."""
+    ours_rev, ours_stacked) against PEFT LoRA under the same optimizer, median over median,
+    with issue 10's target (eager ≤ 1.25 at batch 1 and ≤ 1.12 at larger batches, compiled
+    ≤ 1.10)."""
     by = {(r["variant"], r["optim"]): r for r in rows}
     out = []
     for (name, optim), row in by.items():
-        if name not in ("ours", "ours_rev"):
+        if name not in ("ours", "ours_rev", "ours_stacked"):
             continue
         ratio = row["step_median_ms"] / by["peft_lora", optim]["step_median_ms"]
         mode = row["mode"]
         target = EAGER_TARGETS.get(row["batch"], 1.12) if mode == "eager" else 1.10
-        label = name if name == "ours" else f"ours@{rev_commit}"
+        label = f"ours@{rev_commit}" if name == "ours_rev" else name
         setting = f"r={row['rank']} b={row['batch']} {mode} {optim} {row['adapters']}-adapters"
         out.append({
             "bench": "step_interleaved",

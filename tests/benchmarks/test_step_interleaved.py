@@ -36,12 +36,14 @@ def _row(variant, optim, median, mode="eager", batch=1):
 def test_ratios_compare_each_optimizer_with_lora_under_the_same_optimizer():
     rows = [_row("peft_lora", "foreach", 40.0), _row("ours", "foreach", 44.0),
             _row("peft_lora", "fused", 50.0), _row("ours", "fused", 70.0),
-            _row("ours_rev", "fused", 55.0), _row("peft_dora", "fused", 80.0)]  # fmt: skip
+            _row("ours_rev", "fused", 55.0), _row("peft_dora", "fused", 80.0),
+            _row("ours_stacked", "foreach", 42.0)]  # fmt: skip
     got = {r["metric"]: (round(r["value"], 6), r["ok"]) for r in ratios(rows, "abc1234")}
     assert got == {
         "ours/LoRA train median [r=16 b=1 eager foreach bf16-adapters]": (1.1, True),
         "ours/LoRA train median [r=16 b=1 eager fused bf16-adapters]": (1.4, False),
         "ours@abc1234/LoRA train median [r=16 b=1 eager fused bf16-adapters]": (1.1, True),
+        "ours_stacked/LoRA train median [r=16 b=1 eager foreach bf16-adapters]": (1.05, True),
     }
     compiled = ratios([_row("peft_lora", "fused", 40.0, "compile"),
                        _row("ours", "fused", 45.0, "compile")])  # fmt: skip
