@@ -51,11 +51,13 @@ def check_launchable(*tensors: torch.Tensor) -> None:
                 "impl='fused' on CPU needs the Triton interpreter: set TRITON_INTERPRET=1 before "
                 "importing dora_torch (or use impl='eager')"
             )
-        # Contiguous tensors span numel() elements; a view spans at most its storage, which
-        # settles the usual case without element_span's Python (column views of stacked
-        # products, PEFT's transposed weights).
+        # Contiguous tensors span numel() elements; an eager view spans at most its storage,
+        # which settles the usual case without element_span's Python (column views of stacked
+        # products). Traced code reads shapes and strides only.
         if t.is_contiguous():
             span = t.numel()
+        elif torch.compiler.is_compiling():
+            span = element_span(t)
         else:
             span = t.untyped_storage().nbytes() // t.element_size()
             if span >= MAX_KERNEL_SPAN:

@@ -503,6 +503,18 @@ def test_fused_refuses_tensors_beyond_int32_offsets(monkeypatch):
     dora_torch.dora_linear(x, W, A, B, m, s, b, impl="eager")  # the eager tier has no limit
 
 
+def test_the_span_of_a_view_is_bounded_by_its_storage_then_counted(monkeypatch):
+    """check_launchable settles a column view by its storage's size and counts the span only
+    when that bound is over the limit (stacked products' h and base are column views)."""
+    from dora_torch.kernels import common
+
+    monkeypatch.setattr(common, "MAX_KERNEL_SPAN", 100)
+    common.check_launchable(torch.empty(9, 11)[:, :5])  # storage 99: under, no count
+    common.check_launchable(torch.empty(100, 10)[:2, :3])  # storage 1000, span 13
+    with pytest.raises(ValueError, match="spans 113 elements"):
+        common.check_launchable(torch.empty(10, 12)[:, :5])
+
+
 def _record_grids(monkeypatch, module, launcher: str) -> list:
     """The grids ``module.<launcher>`` is called with from now on (it still launches)."""
     grids, launch = [], getattr(module, launcher)
