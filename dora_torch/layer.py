@@ -210,11 +210,11 @@ class Linear(nn.Module):
         return self
 
     def _restack(self, *_hook_args) -> None:
-        """Move W (and A) back into a stacked buffer after something gave them new storage
-        (``to()``, ``load_state_dict(assign=True)``); the old buffer is released first."""
+        """Move W (and A) into a new stacked buffer after something gave them new storage
+        (``to()``, ``load_state_dict(assign=True)``; the old buffer went with the old
+        storage, which the stack does not keep)."""
         stack = self.__dict__.get("_dora_stack")
         if stack is not None and not stack.holds(self.weight, self.lora_A):
-            self._dora_stack = None
             self._dora_stack = StackedWeights(self.weight, self.lora_A)
 
     def norm(self, *, impl: str = "auto") -> torch.Tensor:
