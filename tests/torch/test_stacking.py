@@ -458,3 +458,40 @@ def test_inject_builds_the_selected_layers_stacked():
     )  # fmt: skip
     flags = {n.rsplit(".", 1)[-1]: m._dora_stack is not None for n, m in dora_layers(model).items()}
     assert flags == {"q_proj": False, "v_proj": True}
+
+
+def test_adapter_files_and_state_dicts_round_trip_from_stacked_models(tmp_path):
+    """W and A sharing one storage save and load as before: PEFT's ``save_pretrained`` /
+    ``from_pretrained``, dora_torch's PEFT-format files, and a torch state dict."""
+    from peft import PeftModel
+
+    from dora_torch.interop.adapter_io import load_adapter, save_adapter
+    from tests.parity.models import tiny_llama, token_ids
+
+    ids = token_ids(tiny_llama().config)
+    peft_model = _peft_llama().eval()
+    dora_torch.accelerate_peft(peft_model, impl="fused", stack_modules=".*")
+    with torch.no_grad():
+        want = peft_model(input_ids=ids).logits
+    peft_model.save_pretrained(tmp_path / "peft")
+    back = PeftModel.from_pretrained(tiny_llama(), tmp_path / "peft").eval()
+    with torch.no_grad():
+        _ulp_close(back(input_ids=ids).logits, want, "PEFT reload", ulps=64)
+
+    model = tiny_llama()
+    dora_torch.inject(model, target_modules=["q_proj", "down_proj"], r=4, lora_alpha=8,
+                      stack_modules=".*")  # fmt: skip
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.3)
+        want = model(input_ids=ids).logits
+    save_adapter(model, tmp_path / "ours")
+    again = load_adapter(tiny_llama(), tmp_path / "ours")
+    torch.save(model.state_dict(), tmp_path / "state.pt")
+    third = tiny_llama()
+    dora_torch.inject(third, target_modules=["q_proj", "down_proj"], r=4, lora_alpha=8)
+    third.load_state_dict(torch.load(tmp_path / "state.pt"))
+    with torch.no_grad():
+        for name, other in (("adapter file", again), ("state dict", third)):
+            _ulp_close(other(input_ids=ids).logits, want, name, ulps=64)
