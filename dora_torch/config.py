@@ -45,6 +45,11 @@ COMPOSE_IN_GEMM_EPILOGUE = True
 #: (a fraction of ``JITFunction.run``'s host time); False = always ``kernel[grid](...)``.
 FAST_TRITON_LAUNCH = True
 
+#: Layers with stacked weights (``dora_torch.stacking``) form base and h as one GEMM x Fᵀ;
+#: False = two GEMMs as without stacking (contiguous outputs), the backward's one dx GEMM
+#: kept. For the A/B of the forward half (an N = d_out + r GEMM can cost a tile column).
+STACK_FORWARD = True
+
 #: Recompute the norms of a model's DoRA layers (``accelerate_peft``, ``inject``) with one
 #: CUDA-graph replay per parameter update (``norm_group``); False = layer by layer.
 NORM_GROUP_GRAPHS = True

@@ -91,9 +91,10 @@ _OPTIONS: dict[tuple, LinearOptions] = {}
 # ------------------------------------------------------------------------------- forward
 def forward_core(x, x_d, weight, a, b, magnitude, norm, bias, opts: LinearOptions, stacked=None):
     """The forward with a [r, d_in], b [d_out, r] in x's dtype. Returns (y, h, inner|None).
-    ``stacked``: F = [W; a] (fused tier, no dropout), or None."""
+    ``stacked``: F = [W; a] (fused tier, no dropout), or None; used here when
+    ``config.STACK_FORWARD`` is on (backward uses it either way)."""
     scaling = opts.scaling
-    if stacked is not None:
+    if stacked is not None and config.STACK_FORWARD:
         # One GEMM for base and h; both are column views of it, y is written over base.
         check_stacked(opts, x_d)
         d_out = weight.shape[0]

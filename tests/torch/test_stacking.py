@@ -147,6 +147,28 @@ def test_cuda_graph_replays_the_stacked_step():
             _ulp_close(getattr(stk, name).grad, getattr(ref, name).grad, name, ulps=4)
 
 
+def test_the_backward_alone_can_be_stacked(monkeypatch):
+    """``config.STACK_FORWARD`` off: the forward's two GEMMs (a contiguous y), the backward's
+    one dx GEMM, the same results."""
+    from dora_torch import config
+
+    monkeypatch.setattr(config, "STACK_FORWARD", False)
+    ref, stk = _pair(dtype=torch.bfloat16)
+    spy = _BackwardSpy(monkeypatch)
+    x = torch.randn(TOKENS, D_IN, dtype=torch.bfloat16)
+    x_ref, x_stk = (x.clone().requires_grad_() for _ in range(2))
+    y_ref, y_stk = ref(x_ref), stk(x_stk)
+    assert y_stk.is_contiguous() and not _stacked_output(y_stk, stk)
+    torch.testing.assert_close(y_stk, y_ref, rtol=0, atol=0)
+    dy = torch.randn_like(y_ref)
+    y_ref.backward(dy)
+    y_stk.backward(dy)
+    assert spy.stacked == [False, True]
+    _ulp_close(x_stk.grad, x_ref.grad, "dx")
+    for name in ("lora_A", "lora_B", "lora_magnitude_vector"):
+        _ulp_close(getattr(stk, name).grad, getattr(ref, name).grad, name, ulps=4)
+
+
 def test_zero_magnitude_rows_recover_through_the_stacked_h():
     """SAVE_RECOVER's columns with g = 0 recompute inner from h, a column view of the stacked
     product (row stride d_out + r) in the scale-and-reduce kernel."""
