@@ -16,9 +16,12 @@ launch replaced by a call that does nothing:
 The kernels' outputs are left as allocated (only the host time is read). The group's
 CUDA-graph replay of the norms needs a GPU, so ``--workload model`` (default) times a
 forward and backward with the norms cached (adapters unchanged), not the optimizer step.
-``--workload layer`` times issue 10's one-layer row instead (``bench_torch_layer``'s eager
-fwd+bwd: one ``dora_torch.Linear``, its norm recomputed in every call, against the cuBLAS
-LoRA-equivalent ``lora_eq``; variants ``lora_eq``, ``ours``, ``ours_rev``).
+``--workload step_hook`` times the optimizer-step hook alone (``cache._count_step``: every
+cached module's ‖W‖² and norm buffers checked after each step; variants ``ours``,
+``ours_rev``). ``--workload layer`` times issue 10's one-layer row instead
+(``bench_torch_layer``'s eager fwd+bwd: one ``dora_torch.Linear``, its norm recomputed in
+every call, against the cuBLAS LoRA-equivalent ``lora_eq``; variants ``lora_eq``, ``ours``,
+``ours_stacked``, ``ours_rev``).
 Variants take turns in rounds, every other round in reverse order (``--rounds``,
 ``--per-round``); printed: medians of the forward and the backward, and each variant's
 excess over the first (PEFT LoRA; ``lora_eq`` in the layer workload) per layer call, in µs.
@@ -187,6 +190,24 @@ def step_fn(model, ids):
     return step
 
 
+def hook_step_fn(model, ids, package: str):
+    """The optimizer-step hook of ``package`` (``cache._count_step``: every cached module's
+    buffers brought up to date, run after each optimizer step), timed alone on ``model``'s
+    layers after one fwd+bwd filled their caches; returns (hook seconds, 0)."""
+    step_fn(model, ids)()
+    cache = importlib.import_module(f"{package}.cache")
+    hook = cache._count_step
+    if not any(m in cache._cached_modules for m in model.modules()):
+        raise RuntimeError(f"{package}'s step hook sees none of the model's layers")
+
+    def step(model=model):  # the hook's module set is weak: the model must stay alive
+        t0 = time.perf_counter()
+        hook(None, (), {})
+        return time.perf_counter() - t0, 0.0
+
+    return step
+
+
 def layer_step_fn(variant: str, d: int, r: int, tokens: int, rev=None):
     """One fwd+bwd of one layer (``bench_torch_layer``'s eager fwd_bwd row): ``lora_eq`` =
     cuBLAS LoRA (two GEMMs and an addmm), ``ours`` / ``ours_rev`` = ``dora_torch.Linear``
@@ -268,6 +289,7 @@ def summary(times: dict[str, list[tuple]], calls: int, base_variant="peft_lora")
 WORKLOAD_VARIANTS = {
     "model": ("peft_lora", "ours", "peft_dora", "ours_stacked"),
     "layer": ("lora_eq", "ours", "ours_stacked"),
+    "step_hook": ("ours",),
 }
 
 
@@ -321,6 +343,14 @@ def main(argv=None) -> list[dict]:
                 v: step_fn(build(v, args.layers, args.hidden, args.rank, rev), ids)
                 for v in variants
             }
+        elif args.workload == "step_hook":
+            ids = torch.randint(0, 128, (1, args.seq))
+            calls = args.layers * len(ADAPTED)
+            steps = {
+                v: hook_step_fn(build(v, args.layers, args.hidden, args.rank, rev), ids,
+                                packages[-1] if v == "ours_rev" else "dora_torch")
+                for v in variants
+            }  # fmt: skip
         else:
             calls = 1
             steps = {v: layer_step_fn(v, args.hidden, args.rank, args.seq, rev) for v in variants}
@@ -340,13 +370,14 @@ def main(argv=None) -> list[dict]:
             return []
         times = timed_rounds(steps, rounds["rounds"], rounds["per_round"])
     rows = summary(times, calls, variants[0])
-    what = (
-        f"{args.layers} layers × 7 adapted projections, hidden {args.hidden}"
-        if args.workload == "model"
-        else f"one {args.hidden}² layer, norm recomputed per call (ours)"
-    )
+    what = {
+        "model": f"one fwd+bwd, {args.layers} layers × 7 adapted projections, hidden {args.hidden}",
+        "layer": f"one fwd+bwd, one {args.hidden}² layer, norm recomputed per call (ours)",
+        "step_hook": f"the optimizer-step hook ('fwd' column), {args.layers} layers × 7 adapted "
+        "projections",
+    }[args.workload]
     print(
-        f"host time of one fwd+bwd, {what}, {args.seq} tokens, r = {args.rank}, bf16, the fused "
+        f"host time of {what}, {args.seq} tokens, r = {args.rank}, bf16, the fused "
         f"tier's launches as no-ops; medians of {rounds['rounds']} rounds × "
         f"{rounds['per_round']} steps"
     )

@@ -79,7 +79,7 @@ def refresh_buffers(modules) -> None:
     """Bring the norm buffers (of modules that keep one) and ‖W‖² buffers of ``modules`` up to
     date after an update: one ``NormGroup.refresh_buffers`` per group with such a member
     (one replay for all its layers), then module by module what no group covered."""
-    groups, pending = [], []  # pending: (module, whether it keeps a norm buffer)
+    groups, pending = [], []  # pending: (module, its cache, whether it keeps a norm buffer)
     for module in modules:
         norm_cache = module_cache(module)
         if norm_cache is None:
@@ -87,13 +87,13 @@ def refresh_buffers(modules) -> None:
         keeps, group = keeps_norm_buffer(module), norm_cache.group
         if keeps and group is not None and all(g is not group for g in groups):
             groups.append(group)
-        pending.append((module, keeps))
+        pending.append((module, norm_cache, keeps))
     done = {id(m) for group in groups for m in group.refresh_buffers()}
-    for module, keeps in pending:
+    for module, norm_cache, keeps in pending:
         if id(module) not in done:
             if keeps:
                 refresh_norm_buffer(module)
-            refresh_base_sq_buffer(module)
+            _refresh_base_sq(module, norm_cache)
 
 
 class _Stamp:
@@ -284,11 +284,11 @@ def track_mode(module: torch.nn.Module) -> None:
     refresh_base_sq_buffer(module)
 
 
-@torch.no_grad()
 def refresh_norm_buffer(module: torch.nn.Module) -> None:
     """Recompute (through the cache) the norm into the buffer of a module that keeps one
     (``keeps_norm_buffer``), in place when the shape and dtype allow (a CUDA-graph replay
-    keeps reading the same address)."""
+    keeps reading the same address). Grad mode is left only where something is computed
+    (the step hook calls this for every module: a ``no_grad`` context costs ~1 µs)."""
     cache = module_cache(module)
     if cache is None or not keeps_norm_buffer(module):
         return
@@ -298,7 +298,7 @@ def refresh_norm_buffer(module: torch.nn.Module) -> None:
     weight, lora_A, lora_B, scaling, impl = found
     if _is_sharded(weight):
         return  # sharded at rest (FSDP2): forwards see whole tensors and refresh it themselves
-    with torch.inference_mode(False):
+    with torch.no_grad(), torch.inference_mode(False):
         # The tier a forward would pick (dispatch.resolve_impl without the token count), so
         # the eager forward finds this entry instead of recomputing under another key.
         fused_ok = weight.is_cuda and weight.dtype in FUSED_DTYPES
@@ -307,14 +307,21 @@ def refresh_norm_buffer(module: torch.nn.Module) -> None:
         write_norm_buffer(module, n)
 
 
-@torch.no_grad()
 def refresh_base_sq_buffer(module: torch.nn.Module) -> None:
     """Point the module's ‖W‖² buffer at the cache's value for W as it is now (recomputed
     only when W changed), when ``config.COMPILED_BASE_SQ_BUFFER`` is on. The buffer is the
     cache's tensor itself, so eager recomputations write it in place and nothing is copied
     per step. Sharded weights (FSDP2 at rest) leave it empty: their graphs reduce W."""
     cache = module_cache(module)
-    if cache is None or not config.COMPILED_BASE_SQ_BUFFER:
+    if cache is not None:
+        _refresh_base_sq(module, cache)
+
+
+def _refresh_base_sq(module: torch.nn.Module, cache: NormCache) -> None:
+    """``refresh_base_sq_buffer`` with the module's cache in hand. The step hook runs it for
+    every module after every optimizer step: the usual case (W unchanged) returns before any
+    context is entered."""
+    if not config.COMPILED_BASE_SQ_BUFFER:
         return
     buf = module._buffers.get(DORA_BASE_SQ_BUFFER)
     if buf is not None and cache.cached_base_sq(module._dora_weight(module)) is buf:
@@ -322,7 +329,8 @@ def refresh_base_sq_buffer(module: torch.nn.Module) -> None:
     found = module._dora_tensors(module)
     if found is None or _is_sharded(found[0]):
         return
-    base_sq = cache.base_sq(found[0])  # leaves inference mode itself when it recomputes
+    with torch.no_grad():
+        base_sq = cache.base_sq(found[0])  # leaves inference mode itself when it recomputes
     if module._buffers.get(DORA_BASE_SQ_BUFFER) is not base_sq:
         module._buffers[DORA_BASE_SQ_BUFFER] = base_sq
 

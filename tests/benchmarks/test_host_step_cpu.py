@@ -53,3 +53,16 @@ def test_harness_refuses_the_interpreter():
         env=env, cwd=ROOT, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert done.returncode == 2 and "TRITON_INTERPRET" in done.stderr
+
+
+def test_harness_times_the_step_hook():
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.host_step_cpu", "--workload", "step_hook",
+         "--layers", "1", "--rounds", "2", "--per-round", "2"],
+        env=env, cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "optimizer-step hook" in done.stdout
+    row = next(line for line in done.stdout.splitlines() if line.startswith("ours "))
+    assert float(row.split()[1]) > 0  # the hook's µs ('fwd' column)
