@@ -124,7 +124,20 @@ class NormCache:
         #: The ``norm_group.NormGroup`` that recomputes this cache's norm together with its
         #: model's other DoRA layers (one CUDA-graph replay), or None.
         self.group = None
+        self._module = None  # weak: the module ``attach`` gave this cache to
         self.clear()
+
+    def __getstate__(self) -> dict:
+        """Pickled (``torch.save(model)``, ``copy.deepcopy``) without entries: they are keyed
+        on the identities of tensors that the copy does not share."""
+        return {"group": self.group, "module": None if self._module is None else self._module()}
+
+    def __setstate__(self, state: dict) -> None:
+        self.group, module = state["group"], state["module"]
+        self._module = None if module is None else weakref.ref(module)
+        self.clear()
+        if module is not None:  # the copy's buffers follow optimizer steps as the original's
+            follow_steps(module)
 
     def clear(self) -> None:
         self._base: tuple[_Stamp, torch.Tensor] | None = None
@@ -246,6 +259,7 @@ def attach(module: torch.nn.Module, tensors, weight_of) -> NormCache:
     layer per step).
     """
     cache = NormCache()
+    cache._module = weakref.ref(module)
     module._dora_norm_cache = cache
     module._dora_tensors = tensors
     module._dora_weight = weight_of
@@ -253,9 +267,15 @@ def attach(module: torch.nn.Module, tensors, weight_of) -> NormCache:
         if name not in module._buffers:
             module.register_buffer(name, torch.empty(0), persistent=False)
     module._dora_load_hook = module.register_load_state_dict_post_hook(_after_load)
-    _cached_modules.add(module)
+    follow_steps(module)
     track_mode(module)
     return cache
+
+
+def follow_steps(module: torch.nn.Module) -> None:
+    """Have the optimizer-step hook keep ``module``'s buffers fresh (``attach`` does, and
+    an unpickled cache for its module)."""
+    _cached_modules.add(module)
 
 
 def _after_load(module: torch.nn.Module, _incompatible_keys) -> None:

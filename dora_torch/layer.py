@@ -204,6 +204,12 @@ class Linear(nn.Module):
             + (", stack_weights=True" if self._dora_stack is not None else "")
         )
 
+    def __setstate__(self, state: dict) -> None:
+        """Unpickled (``torch.load`` of a whole model, ``copy.deepcopy``): a stacked layer
+        re-stacks (its cache came back empty and follows optimizer steps again by itself)."""
+        super().__setstate__(state)
+        self._restack()
+
     def _apply(self, fn, recurse=True):
         super()._apply(fn, recurse)
         self._restack()

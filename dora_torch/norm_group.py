@@ -70,6 +70,14 @@ class NormGroup:
         for module in modules:
             self.add(module)
 
+    def __getstate__(self) -> dict:
+        """Pickled as its live members (a captured graph reads addresses no copy shares)."""
+        return {"members": [m for m in (ref() for ref in self._members) if m is not None]}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__()
+        self._members = [weakref.ref(m) for m in state["members"]]
+
     def add(self, module: torch.nn.Module) -> None:
         """Make ``module`` (which has a ``cache.attach``-ed NormCache) a member."""
         norm_cache = module_cache(module)

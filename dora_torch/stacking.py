@@ -55,6 +55,15 @@ class StackedWeights:
         self._tail = None  # weak: the alias the last r rows are written through
         self._source = None  # the cache entry whose cast those rows hold
 
+    def __getstate__(self) -> dict:
+        """Pickled holding nothing: a copy's W has storage of its own (``dora_torch.Linear``
+        re-stacks after unpickling)."""
+        return {"rows": self._rows, "owns_a": self.owns_a}
+
+    def __setstate__(self, state: dict) -> None:
+        self._rows, self.owns_a = state["rows"], state["owns_a"]
+        self._storage, self._tail, self._source = _no_storage, None, None
+
     def holds(self, weight: torch.Tensor, lora_A: torch.Tensor) -> bool:
         """Whether W (and A, when the buffer holds it) still are the buffer's rows."""
         storage, (d_out, r, d_in) = self._storage(), self._rows
@@ -92,3 +101,8 @@ class StackedWeights:
             tail.copy_(entry[1])
             self._source = entry
         return tail
+
+
+def _no_storage() -> None:
+    """The weak reference of a stack restored from a pickle: dead."""
+    return None

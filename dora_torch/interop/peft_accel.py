@@ -23,7 +23,7 @@ bias, layers with no DoRA adapter.
 
 from __future__ import annotations
 
-import types
+import functools
 import warnings
 from dataclasses import dataclass, field
 
@@ -216,7 +216,7 @@ def _accelerated_train(self, mode: bool = True):
 
 def _is_accelerated(module) -> bool:
     fwd = module.__dict__.get("forward")
-    return getattr(fwd, "__func__", None) is _accelerated_forward
+    return getattr(fwd, "func", None) is _accelerated_forward
 
 
 def _stack_for(module) -> StackedWeights:
@@ -287,8 +287,10 @@ def accelerate_peft(
             report.stacked.append(name)
         if not _is_accelerated(module):
             module.last_impl = None
-            module.forward = types.MethodType(_accelerated_forward, module)
-            module.train = types.MethodType(_accelerated_train, module)
+            # partials, not bound methods: they pickle (``torch.save(model)``), a bound method
+            # of a module-level function does not
+            module.forward = functools.partial(_accelerated_forward, module)
+            module.train = functools.partial(_accelerated_train, module)
             cache.attach(module, _adapter_tensors, _base_weight)
         report.accelerated.append(name)
     if report.accelerated:  # one norm recomputation per parameter update for all of them

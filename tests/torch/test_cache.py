@@ -115,6 +115,75 @@ def test_eval_mode_buffer_follows_optimizer_steps():
         torch.testing.assert_close(layer.dora_norm, want, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("how", ["torch.save", "deepcopy"])
+def test_pickled_and_copied_models_keep_their_caches_honest(how, tmp_path):
+    """A whole model saved with ``torch.save`` (or deep-copied) after training: its caches
+    come back empty, its layers group with each other (not with the original's), the step
+    hook follows them, and training on goes exactly as on the original."""
+    import copy
+
+    from dora_torch.cache import module_cache
+    from dora_torch.interop import dora_layers
+    from tests.parity.models import tiny_llama, token_ids
+
+    model = dora_torch.inject(
+        tiny_llama(), target_modules=["q_proj", "v_proj", "down_proj"], r=4, lora_alpha=8
+    ).train()
+    ids = token_ids(model.config)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.05)
+    for _ in range(2):
+        opt.zero_grad()
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+    if how == "deepcopy":
+        twin = copy.deepcopy(model)
+    else:
+        torch.save(model, tmp_path / "model.pt")
+        twin = torch.load(tmp_path / "model.pt", weights_only=False)
+    layers = list(dora_layers(twin).values())
+    group = module_cache(layers[0]).group
+    assert group is not None and {id(m) for m in layers} == {
+        id(ref()) for ref in group._members
+    }  # the twin's own layers
+    twin.eval()  # the step hook must refresh the twin's eval buffers from here on
+    twin_opt = torch.optim.AdamW([p for p in twin.parameters() if p.requires_grad], lr=0.05)
+    twin_opt.load_state_dict(copy.deepcopy(opt.state_dict()))  # state tensors are shared
+    model.eval()
+    for net, o in ((model, opt), (twin, twin_opt)):
+        o.zero_grad()
+        net(input_ids=ids, labels=ids).loss.backward()
+        o.step()
+    for a, b in zip(dora_layers(model).values(), layers, strict=True):
+        torch.testing.assert_close(b.dora_norm, a.dora_norm, rtol=0, atol=0)
+    with torch.no_grad():
+        torch.testing.assert_close(twin(input_ids=ids).logits, model(input_ids=ids).logits)
+
+
+def test_a_pickled_accelerated_peft_model_follows_optimizer_steps(tmp_path):
+    """``torch.save`` / ``torch.load`` of a whole accelerated PEFT model: its layers' eval
+    buffers (what compiled graphs read) are refreshed by the next optimizer step."""
+    from dora_torch.cache import module_cache
+    from tests.parity.models import peft_dora, tiny_llama, token_ids
+
+    model = peft_dora(tiny_llama(), target_modules=("q_proj", "v_proj"))
+    dora_torch.accelerate_peft(model, impl="eager")
+    ids = token_ids(model.config)
+    model(input_ids=ids)  # caches filled
+    torch.save(model, tmp_path / "model.pt")
+    twin = torch.load(tmp_path / "model.pt", weights_only=False).eval()
+    layers = [m for m in twin.modules() if module_cache(m) is not None]
+    assert len(layers) == 4
+    opt = torch.optim.AdamW([p for p in twin.parameters() if p.requires_grad], lr=0.1, fused=True)
+    opt.zero_grad()
+    twin(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    for m in layers:
+        w, a, b = m.base_layer.weight, m.lora_A["default"].weight, m.lora_B["default"].weight
+        with torch.no_grad():
+            want = dora_torch.factored_norm(w, a, b, m.scaling["default"], impl="eager")
+        torch.testing.assert_close(m.dora_norm, want, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("kind", ["adamw_fused", "adafactor"])
 def test_accelerated_peft_layers_follow_every_step(kind):
     from tests.parity.models import peft_dora, tiny_llama, token_ids

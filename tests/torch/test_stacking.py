@@ -253,6 +253,25 @@ def test_to_restacks_and_releases_the_old_buffer():
     _ulp_close(y, uncached_output(layer, x, impl="fused"), "y after to()")
 
 
+@pytest.mark.parametrize("how", ["torch.save", "deepcopy"])
+def test_a_pickled_or_copied_stacked_layer_restacks(how, tmp_path):
+    import copy
+
+    _, layer = _pair()
+    x = torch.randn(TOKENS, D_IN)
+    want = layer(x).detach()
+    if how == "deepcopy":
+        twin = copy.deepcopy(layer)
+    else:
+        torch.save(layer, tmp_path / "layer.pt")
+        twin = torch.load(tmp_path / "layer.pt", weights_only=False)
+    assert twin._dora_stack.holds(twin.weight, twin.lora_A)
+    assert not layer._dora_stack.holds(twin.weight, twin.lora_A)  # a buffer of its own
+    y = twin(x)
+    assert _stacked_output(y, twin)
+    torch.testing.assert_close(y, want, rtol=0, atol=0)
+
+
 def test_the_stack_holds_no_buffer_of_its_own():
     """W and A given new storage behind the module's back: the old buffer is freed with
     them (the stack keeps a weak reference), and calls take the two-GEMM path."""
