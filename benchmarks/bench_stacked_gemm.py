@@ -60,10 +60,10 @@ class Operands:
     first d_out columns hold dy_g as the scale-and-reduce pass would write it there."""
 
     def __init__(self, tokens, d_out, d_in, r, *, dtype, device, scaling=2.0, seed=0):
-        g = torch.Generator(device="cpu").manual_seed(seed)
+        g = torch.Generator(device=device).manual_seed(seed)  # on the device: 10⁸-element draws
 
         def rand(*shape, std=1.0):
-            return (std * torch.randn(*shape, generator=g)).to(device=device, dtype=dtype)
+            return (std * torch.randn(*shape, generator=g, device=device)).to(dtype)
 
         self.d_out, self.scaling = d_out, scaling
         self.x = rand(tokens, d_in)
