@@ -15,8 +15,8 @@ Providers (the base model is built once and re-wrapped for each, then unwrapped)
     list): ``ours_fp32`` / ``ours_bf16`` with ``recompute_modules=RECOMPUTE_MODULES``, the
     layers ``work_floor.cheapest_recompute`` picks for a batch-4 peak ≤ 1.05× PEFT LoRA's;
   - ``ours_stacked_fp32`` / ``ours_stacked_bf16`` (by name too): with
-    ``stack_modules=".*"`` (every layer's W and A in one buffer: one GEMM for x Wᵀ and
-    x Aᵀ, one for dx, in eager calls; README "Stacked weights").
+    ``stack_modules=".*"`` (every layer's W and A in one buffer: dx as one GEMM in eager
+    calls, and x Wᵀ with x Aᵀ too under ``config.STACK_FORWARD``; README "Stacked weights").
 
 Modes: ``eager``, ``compile`` (``torch.compile(model)``) and ``reduce-overhead``
 (``torch.compile(model, mode="reduce-overhead")``, CUDA graphs). The optimizer step stays

@@ -35,9 +35,9 @@ Variants (each on a fresh copy of the 8-layer base, ``lora_alpha = 2r``, AdamW f
   - ``ours_fp32_gemm_assembly``: the gemm assembly's B·G as an fp32 GEMM, not bf16x3
     (``NORM_GEMM_BF16X3`` off; matters from r = ``NORM_GEMM_MIN_RANK``);
   - ``ours_recompute``: ``recompute_modules`` for q, k and o (``bench_model_torch.RECOMPUTE``);
-  - ``ours_stacked``: ``stack_modules=".*"`` (``bench_model_torch.STACK``; eager only: compiled
-    graphs take the two-GEMM path); ``ours_stacked_bwd``: the same with the forward's two
-    GEMMs kept (``STACK_FORWARD`` off), the backward's one dx GEMM only.
+  - ``ours_stacked``: ``stack_modules=".*"`` (``bench_model_torch.STACK``; the backward's one
+    dx GEMM; eager only: compiled graphs take the two-GEMM path); ``ours_stacked_fwd``: the
+    forward's one x Fᵀ GEMM too (``STACK_FORWARD`` on).
 
 With ``--rev DIR`` (a copy of an earlier revision written by ``benchmarks.revision_copy``)
 the variant ``ours_rev`` runs that revision's ``accelerate_peft`` beside ``ours``, in every
@@ -71,13 +71,13 @@ VARIANTS = {
     "ours_static_launch": ("ours", {}),
     "ours_recompute": ("ours_recompute", {}),  # recompute_modules (bench_model_torch.RECOMPUTE)
     "ours_stacked": ("ours_stacked", {}),  # stack_modules (bench_model_torch.STACK)
-    "ours_stacked_bwd": ("ours_stacked", {"STACK_FORWARD": False}),
+    "ours_stacked_fwd": ("ours_stacked", {"STACK_FORWARD": True}),
     "peft_dora": ("peft_dora", {}),
 }
 #: Inductor options of the compiled variants (``torch.compile(..., options=...)``).
 INDUCTOR_OPTIONS = {"ours_static_launch": {"static_launch_user_defined_triton_kernels": True}}
 #: Variants whose difference only eager calls see (compiled graphs take the two-GEMM path).
-EAGER_ONLY = {"ours_stacked", "ours_stacked_bwd"}
+EAGER_ONLY = {"ours_stacked", "ours_stacked_fwd"}
 MODES = ("eager", "compile", "reduce-overhead")
 SWITCHES = sorted({key for _, overrides in VARIANTS.values() for key in overrides})
 FIELDS = [
@@ -234,13 +234,13 @@ EAGER_TARGETS = {1: 1.25, 4: 1.12}
 
 def ratios(rows: list[dict], rev_commit: str | None = None) -> list[dict]:
     """The summary of one (rank, adapter setting, mode) block of ``measure`` rows: ours (and
-    ours_rev, ours_stacked, ours_stacked_bwd) against PEFT LoRA under the same optimizer,
+    ours_rev, ours_stacked, ours_stacked_fwd) against PEFT LoRA under the same optimizer,
     median over median, with issue 10's target (eager ≤ 1.25 at batch 1 and ≤ 1.12 at larger
     batches, compiled ≤ 1.10)."""
     by = {(r["variant"], r["optim"]): r for r in rows}
     out = []
     for (name, optim), row in by.items():
-        if name not in ("ours", "ours_rev", "ours_stacked", "ours_stacked_bwd"):
+        if name not in ("ours", "ours_rev", "ours_stacked", "ours_stacked_fwd"):
             continue
         ratio = row["step_median_ms"] / by["peft_lora", optim]["step_median_ms"]
         mode = row["mode"]

@@ -3,8 +3,9 @@
 Providers (same run, same inputs):
   ours            dora_torch.Linear, fp32 adapters (PEFT's default), impl="auto" (fused)
   ours_bf16       the same with bf16 adapter parameters (like-for-like with lora_eq)
-  ours_bf16_stacked  ours_bf16 with ``stack_weights=True`` (W and A in one buffer: one GEMM
-                  for x Wᵀ and x Aᵀ, one for dx; ``dora_torch.stacking``)
+  ours_bf16_stacked  ours_bf16 with ``stack_weights=True`` (W and A in one buffer: dx as one
+                  GEMM; x Wᵀ and x Aᵀ as one too with ``config.STACK_FORWARD``;
+                  ``dora_torch.stacking``)
   ours_elementwise  ours with the compose as cuBLAS h Bᵀ + elementwise kernel (headline
                   shape only)
   peft_dora_fp32  PEFT DoRA, default (adapters upcast to fp32)

@@ -45,10 +45,11 @@ COMPOSE_IN_GEMM_EPILOGUE = True
 #: (a fraction of ``JITFunction.run``'s host time); False = always ``kernel[grid](...)``.
 FAST_TRITON_LAUNCH = True
 
-#: Layers with stacked weights (``dora_torch.stacking``) form base and h as one GEMM x Fᵀ;
-#: False = two GEMMs as without stacking (contiguous outputs), the backward's one dx GEMM
-#: kept. For the A/B of the forward half (an N = d_out + r GEMM can cost a tile column).
-STACK_FORWARD = True
+#: Layers with stacked weights (``dora_torch.stacking``) also form base and h as one GEMM
+#: x Fᵀ (True), or keep the forward's two GEMMs and contiguous outputs (False, default: the
+#: backward's one dx GEMM either way). On the model's step the forward half cost time (its
+#: outputs are column views the next ops read strided): runs 148 and 150, NOTES session 33.
+STACK_FORWARD = False
 
 #: Recompute the norms of a model's DoRA layers (``accelerate_peft``, ``inject``) with one
 #: CUDA-graph replay per parameter update (``norm_group``); False = layer by layer.

@@ -52,8 +52,9 @@ class Linear(nn.Module):
     magnitude gradient: backward recomputes the product instead, one more GEMM of the base
     product's size; for layers whose output the next op does not keep, see README "Memory (torch)"),
     stack_weights (experimental: W, and A when it has W's dtype, re-homed into one buffer
-    F = [W; A] so that eager fused calls make one GEMM where they made two, forward and
-    backward; ``dora_torch.stacking``, docs/design.md §4).
+    F = [W; A] so that eager fused calls form dx as one GEMM where they made two, and the
+    forward's x Wᵀ, x Aᵀ too with ``config.STACK_FORWARD``; ``dora_torch.stacking``,
+    docs/design.md §4).
     ``last_impl`` records the tier of the last call (eager calls).
     Every argument is validated before anything is built or frozen.
     """

@@ -94,9 +94,10 @@ def forward_core(x, x_d, weight, a, b, magnitude, norm, bias, opts: LinearOption
     ``stacked``: F = [W; a] (fused tier, no dropout), or None; used here when
     ``config.STACK_FORWARD`` is on (backward uses it either way)."""
     scaling = opts.scaling
+    if stacked is not None:
+        check_stacked(opts, x_d)
     if stacked is not None and config.STACK_FORWARD:
         # One GEMM for base and h; both are column views of it, y is written over base.
-        check_stacked(opts, x_d)
         d_out = weight.shape[0]
         base, h = torch.mm(x, stacked.t()).split_with_sizes((d_out, a.shape[0]), 1)
         y, inner = compose_forward(

@@ -7,6 +7,10 @@ pair is one GEMM (docs/design.md §4, "stacked weights"):
 
     x Fᵀ = [base | h],        [dy_g | s·t] F = dx
 
+The backward's is always taken; the forward's only with ``config.STACK_FORWARD`` (off by
+default: on the model's step its column-view outputs cost the next ops more than the GEMM
+saved, benchmarks/NOTES.md session 33).
+
 ``StackedWeights`` re-homes W's Parameter into the first d_out rows of a new buffer (its
 values copied once, the Parameter object kept), and lora_A's into the last r rows when A
 already has W's dtype; for adapters in another dtype (PEFT's fp32 default) the last r rows

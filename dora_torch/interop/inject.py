@@ -80,8 +80,8 @@ def inject(
     recomputes the layer's product instead of keeping a [tokens, out_features] tensor; for
     layers whose output the next op does not keep, README "Memory (torch)").
     stack_modules (experimental): the same forms, selecting the layers built with
-    ``stack_weights=True`` (W and A in one buffer: one GEMM for x Wᵀ and x Aᵀ, one for dx;
-    README "Stacked weights").
+    ``stack_weights=True`` (W and A in one buffer: dx as one GEMM; README "Stacked
+    weights").
     Everything is checked before the model is touched: ValueError if nothing
     matches, a match is not a plain ``nn.Linear``, or ``recompute_modules`` or
     ``stack_modules`` selects none of the adapted layers. Returns ``model``.

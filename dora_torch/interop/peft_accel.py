@@ -249,7 +249,8 @@ def accelerate_peft(
     tensor, for layers whose output the next op does not keep (README, "Memory (torch)").
     ``stack_modules`` (the same forms; experimental) selects the layers whose base weight
     and active DoRA adapter's A move into one buffer (``dora_torch.stacking``): their eager
-    fused calls make one GEMM of x Wᵀ and x Aᵀ, and one of dx (README, "Stacked weights").
+    fused calls form dx as one GEMM (and x Wᵀ with x Aᵀ under ``config.STACK_FORWARD``;
+    README, "Stacked weights").
     Their base weights keep their Parameter objects and values. After ``model.to()`` they
     take the two-GEMM path until ``accelerate_peft`` is called again, which re-stacks.
     Calling it again is harmless (it updates ``impl`` and the selections). Raises ValueError

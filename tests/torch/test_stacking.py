@@ -15,13 +15,21 @@ import torch
 from torch import nn
 
 import dora_torch
-from dora_torch import ops
+from dora_torch import config, ops
 from dora_torch.kernels.backward import scale_reduce
 
 from .helpers import uncached_output
 from .test_cache import OPTIMIZERS
 
 D_IN, D_OUT, R, TOKENS = 32, 24, 4, 12
+
+
+@pytest.fixture(autouse=True, params=[False, True], ids=["plain_fwd", "stacked_fwd"])
+def stack_forward(request, monkeypatch):
+    """Every test in both forms: the backward's one dx GEMM alone (``config.STACK_FORWARD``
+    off, the default) and the forward's one x Fᵀ GEMM too."""
+    monkeypatch.setattr(config, "STACK_FORWARD", request.param)
+    return request.param
 
 
 def _pair(
@@ -91,7 +99,7 @@ def _check_against_two_gemms(ref, stk, x, spy, bias):
     ref64.impl = "eager"
     xs = [x.clone().requires_grad_() for _ in range(2)] + [x.double().requires_grad_()]
     ys = [layer(xi) for layer, xi in zip((ref, stk, ref64), xs, strict=True)]
-    assert bias or _stacked_output(ys[1], stk)
+    assert bias or _stacked_output(ys[1], stk) == config.STACK_FORWARD
     dy = torch.randn_like(ys[0])
     for y in ys:
         y.backward(dy.to(y.dtype))
@@ -162,8 +170,6 @@ def test_cuda_graph_replays_the_stacked_step():
 def test_the_backward_alone_can_be_stacked(monkeypatch):
     """``config.STACK_FORWARD`` off: the forward's two GEMMs (a contiguous y), the backward's
     one dx GEMM, the same results."""
-    from dora_torch import config
-
     monkeypatch.setattr(config, "STACK_FORWARD", False)
     ref, stk = _pair(dtype=torch.bfloat16)
     spy = _BackwardSpy(monkeypatch)
@@ -226,7 +232,7 @@ def test_every_optimizer_step_reaches_the_stacked_rows(kind, adapter_dtype):
         layer(x).float().pow(2).mean().backward()
         opt.step()
         y = layer(x)
-        assert _stacked_output(y, layer)
+        assert _stacked_output(y, layer) == config.STACK_FORWARD
         # the two-GEMM path on the same parameters, nothing cached
         _ulp_close(y, uncached_output(layer, x, impl="fused"), "y after a step")
         cast = layer.lora_A.detach().to(torch.bfloat16)
@@ -261,7 +267,7 @@ def test_to_restacks_and_releases_the_old_buffer():
     assert stack.owns_a
     x = torch.randn(TOKENS, D_IN, dtype=torch.bfloat16)
     y = layer(x)
-    assert _stacked_output(y, layer)
+    assert _stacked_output(y, layer) == config.STACK_FORWARD
     _ulp_close(y, uncached_output(layer, x, impl="fused"), "y after to()")
 
 
@@ -280,7 +286,7 @@ def test_a_pickled_or_copied_stacked_layer_restacks(how, tmp_path):
     assert twin._dora_stack.holds(twin.weight, twin.lora_A)
     assert not layer._dora_stack.holds(twin.weight, twin.lora_A)  # a buffer of its own
     y = twin(x)
-    assert _stacked_output(y, twin)
+    assert _stacked_output(y, twin) == config.STACK_FORWARD
     torch.testing.assert_close(y, want, rtol=0, atol=0)
 
 
@@ -314,7 +320,7 @@ def test_load_state_dict_keeps_the_rows_current(assign):
     )
     x = torch.randn(TOKENS, D_IN)
     y = layer(x)
-    assert _stacked_output(y, layer)
+    assert _stacked_output(y, layer) == config.STACK_FORWARD
     _ulp_close(y, ref(x), "y after load_state_dict")
 
 
@@ -327,7 +333,7 @@ def test_merge_and_unmerge_write_through_the_stack():
     _ulp_close(layer(x), y0, "merged", ulps=16)
     layer.unmerge()
     y1 = layer(x)
-    assert _stacked_output(y1, layer)
+    assert _stacked_output(y1, layer) == config.STACK_FORWARD
     _ulp_close(y1, y0, "unmerged", ulps=16)
 
 
@@ -414,7 +420,7 @@ def test_the_constructor_stacks_and_inference_mode_calls_take_the_stacked_path()
     x = torch.randn(TOKENS, D_IN, dtype=torch.bfloat16)
     with torch.inference_mode():
         y = layer(x)
-    assert _stacked_output(y, layer)
+    assert _stacked_output(y, layer) == config.STACK_FORWARD
     _ulp_close(y, uncached_output(layer, x, impl="fused"), "y under inference_mode")
 
 
