@@ -16,7 +16,9 @@ Providers (the base model is built once and re-wrapped for each, then unwrapped)
     layers ``work_floor.cheapest_recompute`` picks for a batch-4 peak ≤ 1.05× PEFT LoRA's;
   - ``ours_stacked_fp32`` / ``ours_stacked_bf16`` (by name too): with
     ``stack_modules=".*"`` (every layer's W and A in one buffer: dx as one GEMM in eager
-    calls, and x Wᵀ with x Aᵀ too under ``config.STACK_FORWARD``; README "Stacked weights").
+    calls, and x Wᵀ with x Aᵀ too under ``config.STACK_FORWARD``; README "Stacked weights");
+  - ``ours_recompute_stacked_bf16`` (by name): both, the recomputed layers (which take the
+    two-GEMM path) and the other four projections stacked.
 
 Modes: ``eager``, ``compile`` (``torch.compile(model)``) and ``reduce-overhead``
 (``torch.compile(model, mode="reduce-overhead")``, CUDA graphs). The optimizer step stays
@@ -77,12 +79,15 @@ PROVIDERS = {
     "ours_recompute_bf16": (True, False, True),
     "ours_stacked_fp32": (True, True, True),
     "ours_stacked_bf16": (True, False, True),
+    "ours_recompute_stacked_bf16": (True, False, True),
 }
 #: accelerate_peft's recompute_modules per provider (work_floor.cheapest_recompute, batch 4).
 RECOMPUTE_MODULES = ("q_proj", "k_proj", "o_proj")
-RECOMPUTE = {"ours_recompute_fp32": RECOMPUTE_MODULES, "ours_recompute_bf16": RECOMPUTE_MODULES}
+RECOMPUTE = {"ours_recompute_fp32": RECOMPUTE_MODULES, "ours_recompute_bf16": RECOMPUTE_MODULES,
+             "ours_recompute_stacked_bf16": RECOMPUTE_MODULES}  # fmt: skip
 #: accelerate_peft's stack_modules per provider.
-STACK = {"ours_stacked_fp32": ".*", "ours_stacked_bf16": ".*"}
+STACK = {"ours_stacked_fp32": ".*", "ours_stacked_bf16": ".*",
+         "ours_recompute_stacked_bf16": ".*"}  # fmt: skip
 DEFAULT_PROVIDERS = [p for p in PROVIDERS if p not in RECOMPUTE and p not in STACK]
 MODES = ("eager", "compile", "reduce-overhead")
 TRACE_STEP = "train_step"  # the profiler range around each profiled step

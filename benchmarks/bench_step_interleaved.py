@@ -37,7 +37,8 @@ Variants (each on a fresh copy of the 8-layer base, ``lora_alpha = 2r``, AdamW f
   - ``ours_recompute``: ``recompute_modules`` for q, k and o (``bench_model_torch.RECOMPUTE``);
   - ``ours_stacked``: ``stack_modules=".*"`` (``bench_model_torch.STACK``; the backward's one
     dx GEMM; eager only: compiled graphs take the two-GEMM path); ``ours_stacked_fwd``: the
-    forward's one x Fᵀ GEMM too (``STACK_FORWARD`` on).
+    forward's one x Fᵀ GEMM too (``STACK_FORWARD`` on); ``ours_recompute_stacked``: q, k and
+    o recomputed, the other projections stacked.
 
 With ``--rev DIR`` (a copy of an earlier revision written by ``benchmarks.revision_copy``)
 the variant ``ours_rev`` runs that revision's ``accelerate_peft`` beside ``ours``, in every
@@ -72,12 +73,16 @@ VARIANTS = {
     "ours_recompute": ("ours_recompute", {}),  # recompute_modules (bench_model_torch.RECOMPUTE)
     "ours_stacked": ("ours_stacked", {}),  # stack_modules (bench_model_torch.STACK)
     "ours_stacked_fwd": ("ours_stacked", {"STACK_FORWARD": True}),
+    "ours_recompute_stacked": ("ours_recompute_stacked", {}),  # both (bench_model_torch)
     "peft_dora": ("peft_dora", {}),
 }
 #: Inductor options of the compiled variants (``torch.compile(..., options=...)``).
 INDUCTOR_OPTIONS = {"ours_static_launch": {"static_launch_user_defined_triton_kernels": True}}
 #: Variants whose difference only eager calls see (compiled graphs take the two-GEMM path).
-EAGER_ONLY = {"ours_stacked", "ours_stacked_fwd"}
+EAGER_ONLY = {"ours_stacked", "ours_stacked_fwd", "ours_recompute_stacked"}
+#: The variants the summary compares with PEFT LoRA (the others are diagnostics of ours).
+SUMMARIZED = ("ours", "ours_rev", "ours_recompute", "ours_stacked", "ours_stacked_fwd",
+              "ours_recompute_stacked")  # fmt: skip
 MODES = ("eager", "compile", "reduce-overhead")
 SWITCHES = sorted({key for _, overrides in VARIANTS.values() for key in overrides})
 FIELDS = [
@@ -233,14 +238,14 @@ EAGER_TARGETS = {1: 1.25, 4: 1.12}
 
 
 def ratios(rows: list[dict], rev_commit: str | None = None) -> list[dict]:
-    """The summary of one (rank, adapter setting, mode) block of ``measure`` rows: ours (and
-    ours_rev, ours_stacked, ours_stacked_fwd) against PEFT LoRA under the same optimizer,
-    median over median, with issue 10's target (eager ≤ 1.25 at batch 1 and ≤ 1.12 at larger
-    batches, compiled ≤ 1.10)."""
+    """The summary of one (rank, adapter setting, mode) block of ``measure`` rows: ours and the
+    other ``SUMMARIZED`` variants against PEFT LoRA under the same optimizer, median over
+    median, with issue 10's target (eager ≤ 1.25 at batch 1 and ≤ 1.12 at larger batches,
+    compiled ≤ 1.10)."""
     by = {(r["variant"], r["optim"]): r for r in rows}
     out = []
     for (name, optim), row in by.items():
-        if name not in ("ours", "ours_rev", "ours_stacked", "ours_stacked_fwd"):
+        if name not in SUMMARIZED:
             continue
         ratio = row["step_median_ms"] / by["peft_lora", optim]["step_median_ms"]
         mode = row["mode"]

@@ -47,6 +47,9 @@ def test_the_recompute_provider_takes_work_floors_cheapest_set_and_is_summarised
     names, _ = wf.cheapest_recompute(lora, 1.05, tokens=batch * bm.SEQ)
     assert set(bm.RECOMPUTE["ours_recompute_bf16"]) == set(names)
     assert "ours_recompute_bf16" not in bm.DEFAULT_PROVIDERS
+    both = "ours_recompute_stacked_bf16"  # the same set recomputed, every layer stacked
+    assert bm.RECOMPUTE[both] == bm.RECOMPUTE["ours_recompute_bf16"] and bm.STACK[both] == ".*"
+    assert both not in bm.DEFAULT_PROVIDERS
     row = dict(mode="eager", optim="foreach", rank=16, batch=4)
     rows = [
         {**row, "provider": "peft_lora_bf16", "train_ms": 100.0, "train_peak_gib": 10.0},

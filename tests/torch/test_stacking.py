@@ -481,6 +481,26 @@ def test_accelerate_peft_stacks_the_selected_layers(setting, monkeypatch):
         _ulp_close(grads[name], g, name, ulps=8, dtype=dtype)
 
 
+def test_recomputed_layers_keep_the_two_gemm_path_beside_stacked_ones(monkeypatch):
+    """``recompute_modules`` and ``stack_modules`` together (``bench_model_torch``'s
+    ``ours_recompute_stacked_bf16``): the recomputed layers' backward is not stacked, the
+    others' is, and the model's gradients are the plain accelerated model's."""
+    ref = _peft_llama()
+    model = copy.deepcopy(ref)
+    dora_torch.accelerate_peft(ref, impl="fused", recompute_modules=["q_proj"])
+    dora_torch.accelerate_peft(
+        model, impl="fused", recompute_modules=["q_proj"], stack_modules=".*"
+    )  # fmt: skip
+    spy = _BackwardSpy(monkeypatch)
+    ids = torch.randint(0, 64, (2, 5))
+    _, grads_ref = _loss_and_grads(ref, ids)
+    before = len(spy.stacked)
+    _, grads = _loss_and_grads(model, ids)
+    assert sum(spy.stacked[before:]) == 12 and len(spy.stacked) - before == 14  # 2 × (7 − q)
+    for name, g in grads_ref.items():
+        _ulp_close(grads[name], g, name, ulps=8)
+
+
 def test_accelerate_peft_restacks_after_to_and_validates_its_selection():
     model = _peft_llama()
     with pytest.raises(ValueError, match="stack_modules"):
