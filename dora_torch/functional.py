@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import checks, ops
+from . import checks, config, ops
 from .cache import (
     DORA_NORM_BUFFER,
     NormCache,
@@ -141,6 +141,7 @@ def module_dora_linear(
     if (
         stack is not None
         and tier == "fused"
+        and (config.STACK_FORWARD or torch.is_grad_enabled())  # else nothing would read F
         and not recompute_inner
         and not (training and dropout_p > 0)
         and stack.holds(weight, lora_A)

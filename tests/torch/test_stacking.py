@@ -124,6 +124,15 @@ def test_stacked_forward_and_gradients_match_the_two_gemm_paths(case, monkeypatc
     _check_against_two_gemms(ref, stk, x, _BackwardSpy(monkeypatch), spec.get("bias"))
 
 
+@pytest.mark.parametrize(("tokens", "r"), [(0, 4), (1, 1), (7, 1), (5, 17)])
+def test_stacked_paths_on_edge_shapes(tokens, r, monkeypatch):
+    """No tokens, one token, rank 1 (a single stacked row) and a rank past one block, in bf16
+    with fp32 adapters (the cast rows) and with a bias (inner saved), by the same rule."""
+    ref, stk = _pair(dtype=torch.bfloat16, bias=True, r=r, d_in=40, d_out=28)
+    x = torch.randn(tokens, 40, dtype=torch.bfloat16)
+    _check_against_two_gemms(ref, stk, x, _BackwardSpy(monkeypatch), bias=True)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", list(CASES))
 def test_cuda_stacked_forward_and_gradients_match_the_two_gemm_paths(case, monkeypatch):
@@ -185,6 +194,21 @@ def test_the_backward_alone_can_be_stacked(monkeypatch):
     _ulp_close(x_stk.grad, x_ref.grad, "dx")
     for name in ("lora_A", "lora_B", "lora_magnitude_vector"):
         _ulp_close(getattr(stk, name).grad, getattr(ref, name).grad, name, ulps=4)
+
+
+def test_no_grad_calls_touch_the_stack_only_when_the_forward_reads_it(monkeypatch):
+    """Without grad the backward's F is never needed: with ``STACK_FORWARD`` off an inference
+    call neither views F nor writes its cast rows."""
+    from dora_torch.stacking import StackedWeights
+
+    _, layer = _pair(dtype=torch.bfloat16)
+    views = []
+    real = StackedWeights.buffer
+    monkeypatch.setattr(StackedWeights, "buffer", lambda s, w: views.append(1) or real(s, w))
+    with torch.no_grad():
+        y = layer(torch.randn(TOKENS, D_IN, dtype=torch.bfloat16))
+    assert len(views) == int(config.STACK_FORWARD)
+    assert _stacked_output(y, layer) == config.STACK_FORWARD
 
 
 def test_zero_magnitude_rows_recover_through_the_stacked_h():
