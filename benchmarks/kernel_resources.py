@@ -179,10 +179,11 @@ def lora_gemm_compose_resources(cfg, *, has_bias: bool, dropout: bool, store_inn
             "STORE_INNER": store_inner,
             "DOT_FP32": dot_fp32(torch.bfloat16),  # as the launcher passes them for bf16
             "DOT_PRECISION": dot_precision(torch.bfloat16),
-            "BLOCK_K": config.LORA_GEMM_BLOCK_K,
+            "BLOCK_K": cfg.block_k,
             "BLOCK_M": cfg.block_m,
             "BLOCK_N": cfg.block_n,
             "GROUP_M": cfg.group_m,
+            "PREFETCH_BASE": cfg.prefetch_base,
         },
         unit_strides=("stride_hk", "stride_lbk", "stride_bn", "stride_yn", "stride_in"),
         fp32_pointers=("m_ptr", "n_ptr"),
@@ -214,7 +215,8 @@ def rows(all_candidates: bool) -> list[dict]:
                     "has_bias": has_bias, **asdict(got)})  # fmt: skip
     gemms = dict(enumerate(config.LORA_GEMM_CANDIDATES))
     if not all_candidates:  # the two tiles config.lora_gemm_config picks from
-        gemms = {i: gemms[i] for i in (1, 4)}
+        picks = (config.LORA_GEMM_NARROW, config.LORA_GEMM_SQUARE)
+        gemms = {i: c for i, c in gemms.items() if c in picks}
     for i, cfg in gemms.items():
         for has_bias, dropout, store in itertools.product([False, True], repeat=3):
             got = lora_gemm_compose_resources(

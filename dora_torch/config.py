@@ -79,54 +79,68 @@ class GemmConfig:
     group_m: int
     num_warps: int
     num_stages: int
+    #: Contraction block over r, rounded down to r's next power of two, at least 16 (tl.dot's
+    #: minimum).
+    block_k: int = 64
+    #: Load the tile's base product before the K loop, so its read from memory overlaps the
+    #: h·Bᵀ product instead of following it.
+    prefetch_base: bool = False
 
 
 #: Candidates for the epilogue GEMM (K = r is small: the kernel is bound by the base read and
-#: the y write, so wide N tiles and few stages). ``benchmarks/bench_torch_layer.py`` times
-#: each on the benchmark shapes (``torch_layer_gemm_configs.csv``); ``lora_gemm_config``
-#: encodes the winner. No ``triton.autotune``: its per-call key building cost ~15 µs of host
-#: time per launch on the H200 host, which small, launch-bound layers cannot afford.
+#: the y write, so wide N tiles and few stages). ``benchmarks/bench_torch_layer.py`` and
+#: ``benchmarks/bench_kernel_tiles.py`` time them on the benchmark shapes;
+#: ``lora_gemm_config`` encodes the winners. No ``triton.autotune``: its per-call key building
+#: cost ~15 µs of host time per launch on the H200 host, which small, launch-bound layers
+#: cannot afford.
 LORA_GEMM_CANDIDATES = (
     GemmConfig(128, 128, 8, 8, 3),
     GemmConfig(128, 256, 8, 8, 3),
     GemmConfig(64, 256, 8, 8, 3),
     GemmConfig(128, 128, 8, 4, 4),
     GemmConfig(64, 128, 8, 4, 4),
+    GemmConfig(128, 128, 8, 4, 3, prefetch_base=True),
 )
+#: The tile for small ranks, few tiles, a stored inner and dropout.
+LORA_GEMM_NARROW = LORA_GEMM_CANDIDATES[4]
+#: The tile for large ranks: 128², 4 warps, the base tile loaded before the K loop.
+LORA_GEMM_SQUARE = LORA_GEMM_CANDIDATES[5]
 _INTERPRETER_GEMM = GemmConfig(16, 32, 4, 1, 1)
 
 
-#: Tile count from which the wide tile (candidate 1) fills the H200's 132 SMs twice over.
-LORA_GEMM_WIDE_MIN_TILES = 264
-#: Rank from which the wide tile may win: at r = 16 and 128 the narrow one was faster even in
-#: the inference form (run 52); at r = 384 the wide one was (between the two, untested).
-LORA_GEMM_WIDE_MIN_RANK = 256
+#: Tile count (of LORA_GEMM_SQUARE) from which the large-rank tile fills the H200's 132 SMs
+#: twice over.
+LORA_GEMM_SQUARE_MIN_TILES = 264
+#: Rank from which the large-rank tile may win: at r = 16 the narrow one is faster (run 159:
+#: the square tile 1.03-1.18× at r = 16, 0.86-0.94× at r = 384 with enough tiles; r = 128
+#: and 256 were not swept).
+LORA_GEMM_SQUARE_MIN_RANK = 256
 
 
 def lora_gemm_config(
     M: int, N: int, r: int, *, store_inner: bool = False, dropout: bool = False
 ) -> GemmConfig:
-    """The epilogue GEMM's tiles for y [M, N] = compose(h [M, r] · Bᵀ), from the H200 sweep
-    (``results/torch_layer_gemm_configs_run52.csv``). The wide tile (128×256, 8 warps, 3
-    stages) sits at the 255-register ceiling: it wins only in the inference form (inner not
-    stored) at r ≥ ``LORA_GEMM_WIDE_MIN_RANK`` with enough tiles (−1.5% at 4096×8192, −4.6% at
-    2048×28672, r = 384). Everywhere else the narrow tile (64×128, 4 warps, 4 stages) is
-    faster: −23% at 4096×8192, r = 16; when the epilogue stores inner (a layer with a bias or
-    dropout, in training) or applies dropout, the wide tile spills registers and loses by
-    1.6-4.5% (inner stored) and 1.6-1.7× (dropout).
+    """The epilogue GEMM's tiles for y [M, N] = compose(h [M, r] · Bᵀ), from the H200 sweeps.
+
+    Run 159 (``results/kernel_tiles_run159.csv``, device time of graph replays): at r = 384
+    the square tile with the base prefetch (``LORA_GEMM_SQUARE``) took 0.86-0.94× the time of
+    the tile chosen before at the bench model's widths with ≥ 264 tiles (T = 2048 and 8192,
+    d_out = 4096 and 14336, and 8192 × 1024), against the wide tile's 0.87-1.00×; with fewer
+    tiles (2048 × 1024: 128) it lost (1.05×) and the narrow tile stays. At r = 16 the narrow
+    tile (64×128, 4 warps, 4 stages) is within 4% of every candidate and 3-95% faster than
+    the square ones. When the epilogue stores inner (a layer with a bias or dropout, in
+    training) or applies dropout, the narrow tile serves: the wide tile spilled there and
+    lost by 1.6-4.5% (inner stored) and 1.6-1.7× (dropout, run 52); those forms were not
+    swept with the square tile.
     """
     if interpreting():
         return _INTERPRETER_GEMM
-    wide, narrow = LORA_GEMM_CANDIDATES[1], LORA_GEMM_CANDIDATES[4]
-    if store_inner or dropout or r < LORA_GEMM_WIDE_MIN_RANK:
-        return narrow
-    tiles = -(-M // wide.block_m) * -(-N // wide.block_n)
-    return wide if tiles >= LORA_GEMM_WIDE_MIN_TILES else narrow
+    if store_inner or dropout or r < LORA_GEMM_SQUARE_MIN_RANK:
+        return LORA_GEMM_NARROW
+    square = LORA_GEMM_SQUARE
+    tiles = -(-M // square.block_m) * -(-N // square.block_n)
+    return square if tiles >= LORA_GEMM_SQUARE_MIN_TILES else LORA_GEMM_NARROW
 
-
-#: Contraction block of the epilogue GEMM (over r); rounded down to r's next power of two,
-#: at least 16 (tl.dot's minimum).
-LORA_GEMM_BLOCK_K = 64
 
 # ---- forward: elementwise compose (kernels/compose.py) ----------------------------------------
 COMPOSE_BLOCK_M = 32

@@ -52,10 +52,10 @@ def test_streaming_kernels_neither_spill_nor_reach_the_register_ceiling(rows):
 
 
 def test_the_epilogue_gemm_never_spills_in_a_form_its_tile_rule_picks(rows, monkeypatch):
-    """``config.lora_gemm_config`` gives the wide tile only without a stored inner and
-    without dropout, where it sits at the register ceiling but does not spill (it spills in
-    the other forms: NOTES.md, session 14); the narrow tile serves every form. The ceiling
-    is not checked here: the wide tile was the fastest at r = 384 while at it (run 52)."""
+    """``config.lora_gemm_config`` gives the square prefetching tile only without a stored
+    inner and without dropout, where it must not spill; the narrow tile serves every form.
+    The register ceiling is not checked here: a tile at it may still be the fastest (the
+    wide tile was, at r = 384 in run 52)."""
     from dora_torch import config
 
     monkeypatch.setattr(config, "_INTERPRETING", False)
@@ -69,4 +69,4 @@ def test_the_epilogue_gemm_never_spills_in_a_form_its_tile_rule_picks(rows, monk
         ):
             picked += 1
             assert r["stack_bytes"] == 0, r
-    assert picked == 2 + 8  # wide: inference with and without bias; narrow: all eight
+    assert picked == 2 + 8  # square: with and without bias; narrow: all eight forms

@@ -156,10 +156,18 @@ def test_factored_norm_bf16_accumulates_in_fp32():
     np.testing.assert_allclose(n.numpy(), ref, rtol=1e-5)
 
 
-@pytest.mark.parametrize("epilogue", [True, False], ids=["gemm-epilogue", "elementwise"])
+#: The epilogue GEMM with its base tile loaded before the K loop (``prefetch_base``).
+_PREFETCH = config.GemmConfig(16, 32, 4, 1, 1, block_k=16, prefetch_base=True)
+
+
+@pytest.mark.parametrize(
+    "epilogue, gemm_config",
+    [(True, None), (True, _PREFETCH), (False, None)],
+    ids=["gemm-epilogue", "gemm-epilogue-prefetch", "elementwise"],
+)
 @pytest.mark.parametrize("dropout", [False, True])
 @pytest.mark.parametrize("bias", [True, False])
-def test_both_compose_kernels_match_eager(epilogue, dropout, bias):
+def test_both_compose_kernels_match_eager(epilogue, gemm_config, dropout, bias):
     torch.manual_seed(0)
     T, d_out, r = 37, 45, 5
     dt = torch.bfloat16
@@ -178,7 +186,17 @@ def test_both_compose_kernels_match_eager(epilogue, dropout, bias):
         want = dora_torch.compose(base_d, lora, m, n, 2.0, bvec)
     inner_want = (base_d.float() + 2.0 * lora.float()).to(dt)
     y, inner = compose_forward(
-        h, Bw, base_d.clone(), m, n, 2.0, bvec, base=base, store_inner=True, epilogue=epilogue
+        h,
+        Bw,
+        base_d.clone(),
+        m,
+        n,
+        2.0,
+        bvec,
+        base=base,
+        store_inner=True,
+        epilogue=epilogue,
+        gemm_config=gemm_config,
     )
     # One rounding of an fp32 value: at most one bf16 ulp away from the eager result.
     torch.testing.assert_close(y, want, rtol=2**-7, atol=1e-6)
@@ -301,17 +319,19 @@ def test_fused_on_cpu_without_interpreter_is_refused(monkeypatch):
 
 
 def test_epilogue_gemm_tile_rule(monkeypatch):
-    """The wide tile only where the H200 sweep had it win: the inference form, a rank from
-    LORA_GEMM_WIDE_MIN_RANK and enough tiles; the narrow one for a stored inner or dropout,
-    small ranks and few tiles."""
+    """The square prefetching tile only where the H200 sweep had it win: a rank from
+    LORA_GEMM_SQUARE_MIN_RANK, enough tiles, no stored inner and no dropout; the narrow one
+    for a stored inner or dropout, small ranks and few tiles."""
     monkeypatch.setattr(config, "_INTERPRETING", False)
-    wide, narrow = config.LORA_GEMM_CANDIDATES[1], config.LORA_GEMM_CANDIDATES[4]
-    big_r = config.LORA_GEMM_WIDE_MIN_RANK
-    assert config.lora_gemm_config(4096, 8192, big_r) == wide
-    assert config.lora_gemm_config(4096, 8192, big_r - 1) == narrow
-    assert config.lora_gemm_config(4096, 8192, big_r, store_inner=True) == narrow
-    assert config.lora_gemm_config(4096, 8192, big_r, dropout=True) == narrow
-    assert config.lora_gemm_config(512, 4096, big_r) == narrow  # 32 wide tiles
+    square, narrow = config.LORA_GEMM_SQUARE, config.LORA_GEMM_NARROW
+    assert square.prefetch_base and not narrow.prefetch_base
+    big_r = config.LORA_GEMM_SQUARE_MIN_RANK
+    assert config.lora_gemm_config(2048, 4096, big_r) == square  # 512 tiles
+    assert config.lora_gemm_config(2048, 4096, big_r - 1) == narrow
+    assert config.lora_gemm_config(2048, 4096, big_r, store_inner=True) == narrow
+    assert config.lora_gemm_config(2048, 4096, big_r, dropout=True) == narrow
+    assert config.lora_gemm_config(2048, 1024, big_r) == narrow  # 128 tiles
+    assert config.lora_gemm_config(8192, 1024, big_r) == square  # 512 tiles
 
 
 @pytest.mark.parametrize(

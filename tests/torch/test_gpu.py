@@ -53,6 +53,8 @@ def test_cuda_recompute_inner_matches_spec(case, dtype):
         (512, 769, 7, 1030, 0.5),
         (2048, 1024, 384, 257, 3.0),
         (256, 256, 1, 64, 1.7),
+        # 17 × 17 tiles at r = 300: config.LORA_GEMM_SQUARE, masked in M, N and K
+        (512, 2100, 300, 2100, 1.3),
     ],
 )
 def test_cuda_big_odd_shapes_match_spec(d_in, d_out, r, T, s, dtype, epilogue):

@@ -1,0 +1,217 @@
+"""Our two kernels that stream [T, d_out] tensors, at the bench model's shapes: their tile
+candidates against the one the library picks, cuBLAS and copies, by device time.
+
+**compose** (``kernels/compose._lora_gemm_compose_kernel``, the forward's epilogue GEMM):
+y = g ⊙ (base + s·h Bᵀ) reads base [T, d_out] and writes y over it, with a K = r product in
+between. At r = 384 its FLOPs (2·T·d_out·r) and bytes (4·T·d_out) are both near the H200's
+limits (192 FLOP/byte against a ridge of ~200), so neither alone sets its time. In the
+compiled r = 384 step (run 158's profile) it took 83.5 µs per gate/up call (T = 2048,
+d_out = 14336) and 27 µs per q/o/down call, 2.5-3.4× what either limit allows. Forms:
+``chosen`` (``config.lora_gemm_config``); every ``COMPOSE_CANDIDATES`` entry
+(``config.GemmConfig``: tile, warps, stages, K block, ``prefetch_base``: the base tile loaded
+before the K loop, so its read overlaps the product); ``cublas_addmm`` (``addmm(base, h, Bᵀ,
+alpha=s)``, LoRA's fused form of the product); ``copy`` (base into y: the bytes alone).
+
+**scale_reduce** (``kernels/backward._scale_reduce_kernel``, recover mode as in a layer
+without bias): reads dy and y, writes g ⊙ dy, reduces dm over tokens. Run 158: 1.58 ms per
+step against 0.98 ms for its bytes at copy speed; at d_out = 1024 the default tile gives 64
+programs for 132 SMs. (``bench_torch_layer``'s sweep timed these shapes with ``do_bench``,
+which at ~25 µs per call measured the launcher, not the kernel.) Forms: ``chosen``
+(``config.BWD``); ``c{i}`` for each ``config.BWD_CANDIDATES`` entry; ``add``
+(``torch.add(dy, y, out=z)``: the same bytes).
+
+Each form's launches are captured in a CUDA graph and replayed ``--per-round`` times back
+to back (device time; no host in it), the forms taking turns over ``--rounds`` rounds;
+medians in µs, and each form's paired ratio to ``chosen``. ``max_rel_diff``: the largest
+difference of a form's output from ``chosen``'s, over chosen's largest magnitude (a different
+K block or token chunking sums in another order; anything larger is a bug).
+
+    python3 -m benchmarks.bench_kernel_tiles --out $OUT     # on the GPU (~3 min)
+    TRITON_INTERPRET=1 python3 -m benchmarks.bench_kernel_tiles --tiny   # CPU: forms agree
+
+Writes ``kernel_tiles.csv``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import statistics
+
+import torch
+
+from benchmarks import measure
+from benchmarks.bench_stacked_gemm import _graphed, time_rounds
+from benchmarks.measure import paired_ratio, write_csv
+from dora_torch import config
+from dora_torch.kernels.backward import scale_reduce
+from dora_torch.kernels.compose import compose_forward
+
+#: A probe with its own command line: ``make gpu`` (benchmarks/run.py) skips it.
+IN_MAKE_GPU = False
+#: d_out of the Llama-8B projections (k/v, q/o/down, gate/up) and how many of each a decoder
+#: layer has (per-step totals in the summary).
+WIDTHS = ((1024, 2), (4096, 3), (14336, 2))
+LAYERS = 8
+G = config.GemmConfig
+COMPOSE_CANDIDATES = {
+    "narrow": G(64, 128, 8, 4, 4),
+    "wide": G(128, 256, 8, 8, 3),
+    "narrow_pf": G(64, 128, 8, 4, 4, prefetch_base=True),
+    "narrow_k128": G(64, 128, 8, 4, 3, block_k=128),
+    "narrow_k128_pf": G(64, 128, 8, 4, 3, block_k=128, prefetch_base=True),
+    "sq128_w8": G(128, 128, 8, 8, 3),
+    "sq128_w8_pf": G(128, 128, 8, 8, 3, prefetch_base=True),
+    "sq128_w4_pf": G(128, 128, 8, 4, 3, prefetch_base=True),
+    "sq128_w8_k128": G(128, 128, 8, 8, 2, block_k=128),
+    "sq128_w8_k128_pf": G(128, 128, 8, 8, 2, block_k=128, prefetch_base=True),
+    "n256_w8_pf": G(64, 256, 8, 8, 3, prefetch_base=True),
+    "wide_k128": G(128, 256, 8, 8, 2, block_k=128),
+    "tall": G(256, 128, 8, 8, 3),
+    "n64_pf": G(128, 64, 8, 4, 4, prefetch_base=True),
+}
+TINY_COMPOSE = ("narrow", "narrow_pf")
+SCALE_REDUCE_CANDIDATES = {f"c{i}": c for i, c in enumerate(config.BWD_CANDIDATES)}
+TINY_SCALE_REDUCE = ("c0", "c10")
+KERNELS = ("compose", "scale_reduce")
+
+
+class Operands:
+    """h [T, r], B [d_out, r], base [T, d_out] (and its pristine copy), m and n with g ≈ 1;
+    dy and y [T, d_out] for the scale-and-reduce pass."""
+
+    def __init__(self, tokens, d_out, r, *, dtype, device, seed=0):
+        gen = torch.Generator(device="cpu").manual_seed(seed)
+
+        def rand(*shape, std=1.0):
+            return (torch.randn(*shape, generator=gen) * std).to(device=device, dtype=dtype)
+
+        self.h = rand(tokens, r)
+        self.b = rand(d_out, r, std=r**-0.5)
+        self.base0 = rand(tokens, d_out)
+        self.base = self.base0.clone()
+        self.m = (torch.rand(d_out, generator=gen) + 0.5).to(device)
+        self.n = self.m * (1.0 + 0.01 * torch.randn(d_out, generator=gen).to(device))
+        self.s = 0.5
+        self.dy = rand(tokens, d_out)
+        self.y = rand(tokens, d_out)
+        self.z = torch.empty_like(self.y)
+
+
+def candidates(kernel: str) -> dict:
+    return COMPOSE_CANDIDATES if kernel == "compose" else SCALE_REDUCE_CANDIDATES
+
+
+def form(kernel: str, name: str, o: Operands):
+    """The call of one form. The compose writes y over ``o.base``, as the layer's does; the
+    pass returns (dy_g, None, dm, None)."""
+    if kernel == "compose":
+        if name == "copy":
+            return lambda: o.base.copy_(o.base0)
+        if name == "cublas_addmm":
+            return lambda: torch.addmm(o.base, o.h, o.b.t(), alpha=o.s)
+        cfg = None if name == "chosen" else COMPOSE_CANDIDATES[name]
+        return lambda: compose_forward(o.h, o.b, o.base, o.m, o.n, o.s, gemm_config=cfg)
+    if name == "add":
+        return lambda: torch.add(o.dy, o.y, out=o.z)
+    cfg = None if name == "chosen" else SCALE_REDUCE_CANDIDATES[name]
+    return lambda: scale_reduce(
+        o.dy, o.y, o.m, o.n, recover=True, dropout=False, need_dbias=False, x=o.dy,
+        weight=o.dy, h=o.dy, lora_B=o.dy, reduce_config=cfg,
+    )  # fmt: skip
+
+
+def rel_diff(kernel: str, o: Operands, name: str) -> float:
+    """The largest |output_name − output_chosen| over chosen's largest magnitude (the
+    compose from the pristine base; the pass over dy_g and dm)."""
+    outs = []
+    for n in ("chosen", name):
+        o.base.copy_(o.base0)
+        out = form(kernel, n, o)()
+        parts = (out[0],) if kernel == "compose" else (out[0], out[2])
+        outs.append([t.float().clone() for t in parts])
+    o.base.copy_(o.base0)
+    return max(
+        float((u - w).abs().max() / w.abs().max().clamp_min(1e-30))
+        for u, w in zip(outs[1], outs[0], strict=True)
+    )
+
+
+def _chosen(kernel: str, tokens: int, d_out: int, rank: int):
+    if kernel == "compose":
+        return config.lora_gemm_config(tokens, d_out, rank)
+    return config.BWD
+
+
+def run(*, tiny: bool, kernels, ranks, tokens_list, rounds: int, per_round: int) -> list[dict]:
+    cuda = torch.cuda.is_available() and not tiny
+    device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
+    widths = ((48, 1), (80, 1)) if tiny else WIDTHS
+    rows = []
+    for kernel in kernels:
+        names = {"compose": TINY_COMPOSE, "scale_reduce": TINY_SCALE_REDUCE}[kernel]
+        names = names if tiny else tuple(candidates(kernel))
+        refs = {"compose": ("cublas_addmm", "copy"), "scale_reduce": ("add",)}[kernel]
+        # the pass does not depend on r: one rank
+        for rank in ranks if kernel == "compose" else ranks[:1]:
+            for tokens in tokens_list:
+                for d_out, per_layer in widths:
+                    o = Operands(tokens, d_out, rank, dtype=dtype, device=device)
+                    diffs = {n: rel_diff(kernel, o, n) for n in names}
+                    head = {"kernel": kernel, "d_out": d_out, "r": rank, "tokens": tokens}
+                    if not cuda:  # the interpreter: agreement only
+                        for n in names:
+                            rows.append({**head, "form": n, "max_rel_diff": diffs[n]})
+                            _print(rows[-1])
+                        continue
+                    forms = ("chosen", *names, *refs)
+                    calls = {n: _graphed(_ignore_arg(form(kernel, n, o)), o) for n in forms}
+                    times = time_rounds(calls, rounds=rounds, per_round=per_round, timing="gpu")
+                    chosen = _chosen(kernel, tokens, d_out, rank)
+                    for n in forms:
+                        cfg = candidates(kernel).get(n, chosen if n == "chosen" else None)
+                        rows.append({**head, "form": n, "us": statistics.median(times[n]),
+                                     "ratio_to_chosen": paired_ratio(times, n, "chosen"),
+                                     "max_rel_diff": diffs.get(n, 0.0 if n == "chosen" else None),
+                                     "per_step": per_layer * LAYERS,
+                                     "is_chosen": cfg == chosen,
+                                     **({} if cfg is None else vars(cfg))})  # fmt: skip
+                        _print(rows[-1])
+                    del o, calls
+    return rows
+
+
+def _ignore_arg(call):
+    """``call`` as the one-argument function ``_graphed`` captures."""
+    return lambda _o: call()
+
+
+def _print(row: dict) -> None:
+    print("kernel_tiles " + ", ".join(f"{k}={_fmt(v)}" for k, v in row.items()), flush=True)
+
+
+def _fmt(v) -> str:
+    return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tiny", action="store_true", help="small shapes in fp32 (CPU)")
+    ap.add_argument("--kernels", nargs="+", choices=KERNELS, default=list(KERNELS))
+    ap.add_argument("--ranks", type=int, nargs="+", default=[384, 16])
+    ap.add_argument("--tokens", type=int, nargs="+", default=[2048, 8192])
+    measure.add_round_args(ap, rounds=5, per_round=20)
+    ap.add_argument("--out", type=pathlib.Path, default=None)
+    args = ap.parse_args(argv)
+    for flag, values in (("--ranks", args.ranks), ("--tokens", args.tokens)):
+        if min(values) < 1:
+            ap.error(f"{flag} must be >= 1; got {values}")
+    rows = run(tiny=args.tiny, kernels=args.kernels, ranks=args.ranks, tokens_list=args.tokens,
+               **measure.round_args(ap, args))  # fmt: skip
+    if args.out is not None:
+        write_csv(args.out / "kernel_tiles.csv", rows)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
