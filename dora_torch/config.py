@@ -79,16 +79,16 @@ class GemmConfig:
     group_m: int
     num_warps: int
     num_stages: int
-    #: Contraction block over r, rounded down to r's next power of two, at least 16 (tl.dot's
-    #: minimum).
+    #: Contraction block over r; the launch caps it at r's next power of two and raises it to
+    #: 16 (tl.dot's minimum).
     block_k: int = 64
     #: Load the tile's base product before the K loop, so its read from memory overlaps the
     #: h·Bᵀ product instead of following it.
     prefetch_base: bool = False
 
 
-#: Candidates for the epilogue GEMM (K = r is small: the kernel is bound by the base read and
-#: the y write, so wide N tiles and few stages). ``benchmarks/bench_torch_layer.py`` and
+#: Candidates for the epilogue GEMM (K = r: at small ranks the kernel is bound by the base
+#: read and the y write; at r = 384 its FLOPs weigh as much). ``benchmarks/bench_torch_layer.py`` and
 #: ``benchmarks/bench_kernel_tiles.py`` time them on the benchmark shapes;
 #: ``lora_gemm_config`` encodes the winners. No ``triton.autotune``: its per-call key building
 #: cost ~15 µs of host time per launch on the H200 host, which small, launch-bound layers
