@@ -88,8 +88,8 @@ class GemmConfig:
 
 
 #: Candidates for the epilogue GEMM (K = r: at small ranks the kernel is bound by the base
-#: read and the y write; at r = 384 its FLOPs weigh as much). ``benchmarks/bench_torch_layer.py`` and
-#: ``benchmarks/bench_kernel_tiles.py`` time them on the benchmark shapes;
+#: read and the y write; at r = 384 its FLOPs weigh as much). ``benchmarks/bench_torch_layer.py``
+#: and ``benchmarks/bench_kernel_tiles.py`` time them on the benchmark shapes;
 #: ``lora_gemm_config`` encodes the winners. No ``triton.autotune``: its per-call key building
 #: cost ~15 µs of host time per launch on the H200 host, which small, launch-bound layers
 #: cannot afford.
