@@ -41,7 +41,6 @@ import statistics
 import torch
 
 from benchmarks import measure
-from benchmarks.bench_stacked_gemm import _graphed, time_rounds
 from benchmarks.measure import paired_ratio, write_csv
 from dora_torch import config
 from dora_torch.kernels.backward import scale_reduce
@@ -165,8 +164,10 @@ def run(*, tiny: bool, kernels, ranks, tokens_list, rounds: int, per_round: int)
                             _print(rows[-1])
                         continue
                     forms = ("chosen", *names, *refs)
-                    calls = {n: _graphed(_ignore_arg(form(kernel, n, o)), o) for n in forms}
-                    times = time_rounds(calls, rounds=rounds, per_round=per_round, timing="gpu")
+                    calls = {n: measure.cuda_graph(form(kernel, n, o))[0].replay for n in forms}
+                    times = measure.torch_time_rounds(
+                        calls, rounds=rounds, per_round=per_round, timing="gpu"
+                    )
                     chosen = _chosen(kernel, tokens, d_out, rank)
                     for n in forms:
                         cfg = candidates(kernel).get(n, chosen if n == "chosen" else None)
@@ -181,11 +182,6 @@ def run(*, tiny: bool, kernels, ranks, tokens_list, rounds: int, per_round: int)
     return rows
 
 
-def _ignore_arg(call):
-    """``call`` as the one-argument function ``_graphed`` captures."""
-    return lambda _o: call()
-
-
 def _print(row: dict) -> None:
     print("kernel_tiles " + ", ".join(f"{k}={_fmt(v)}" for k, v in row.items()), flush=True)
 
@@ -198,14 +194,11 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tiny", action="store_true", help="small shapes in fp32 (CPU)")
     ap.add_argument("--kernels", nargs="+", choices=KERNELS, default=list(KERNELS))
-    ap.add_argument("--ranks", type=int, nargs="+", default=[384, 16])
-    ap.add_argument("--tokens", type=int, nargs="+", default=[2048, 8192])
+    ap.add_argument("--ranks", type=measure.positive_int, nargs="+", default=[384, 16])
+    ap.add_argument("--tokens", type=measure.positive_int, nargs="+", default=[2048, 8192])
     measure.add_round_args(ap, rounds=5, per_round=20)
     ap.add_argument("--out", type=pathlib.Path, default=None)
     args = ap.parse_args(argv)
-    for flag, values in (("--ranks", args.ranks), ("--tokens", args.tokens)):
-        if min(values) < 1:
-            ap.error(f"{flag} must be >= 1; got {values}")
     rows = run(tiny=args.tiny, kernels=args.kernels, ranks=args.ranks, tokens_list=args.tokens,
                **measure.round_args(ap, args))  # fmt: skip
     if args.out is not None:

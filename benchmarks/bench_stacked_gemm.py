@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import pathlib
 import statistics
-import time
 
 import torch
 
@@ -115,50 +114,8 @@ def max_differences(o: Operands) -> dict[str, float]:
 
 
 def _graphed(fn, o: Operands):
-    """fn(o) captured in a CUDA graph (warmed up on a side stream): the replay."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn(o)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn(o)
-    return graph.replay
-
-
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def time_rounds(calls: dict, *, rounds: int, per_round: int, timing: str) -> dict[str, list]:
-    """name -> [µs per call in each round], the calls taking turns: ``timing`` "gpu" (CUDA
-    events around ``per_round`` back-to-back calls) or "host" (perf_counter around them, the
-    wait for the device after the clock stops)."""
-    for call in calls.values():
-        call()
-    _sync()
-    times = {name: [] for name in calls}
-    for _ in range(rounds):
-        for name, call in calls.items():
-            if timing == "gpu":
-                start = torch.cuda.Event(enable_timing=True)
-                end = torch.cuda.Event(enable_timing=True)
-                start.record()
-                for _ in range(per_round):
-                    call()
-                end.record()
-                end.synchronize()
-                times[name].append(start.elapsed_time(end) * 1e3 / per_round)
-                continue
-            t0 = time.perf_counter()
-            for _ in range(per_round):
-                call()
-            times[name].append((time.perf_counter() - t0) * 1e6 / per_round)
-            _sync()
-    return times
+    """fn(o) captured in a CUDA graph: the replay."""
+    return measure.cuda_graph(lambda: fn(o))[0].replay
 
 
 def run(*, tiny: bool, ranks, tokens_list, rounds: int, per_round: int):
@@ -191,8 +148,8 @@ def run(*, tiny: bool, ranks, tokens_list, rounds: int, per_round: int):
                             fn = CALLS[name, form]
                             calls[form] = _graphed(fn, o) if timing == "gpu" else (
                                 lambda fn=fn, o=o: fn(o))  # fmt: skip
-                        times = time_rounds(calls, rounds=rounds, per_round=per_round,
-                                            timing=timing)  # fmt: skip
+                        times = measure.torch_time_rounds(calls, rounds=rounds, per_round=per_round,
+                                                    timing=timing)  # fmt: skip
                         sep = statistics.median(times["separate"])
                         stk = statistics.median(times["stacked"])
                         row[f"{timing}_separate_us"] = sep
@@ -218,14 +175,11 @@ def _fmt(v) -> str:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tiny", action="store_true", help="small shapes in fp32 (CPU)")
-    ap.add_argument("--ranks", type=int, nargs="+", default=[16, 384])
-    ap.add_argument("--tokens", type=int, nargs="+", default=[2048, 8192])
+    ap.add_argument("--ranks", type=measure.positive_int, nargs="+", default=[16, 384])
+    ap.add_argument("--tokens", type=measure.positive_int, nargs="+", default=[2048, 8192])
     measure.add_round_args(ap, rounds=8, per_round=20)
     ap.add_argument("--out", type=pathlib.Path, default=None)
     args = ap.parse_args(argv)
-    for flag, values in (("--ranks", args.ranks), ("--tokens", args.tokens)):
-        if min(values) < 1:
-            ap.error(f"{flag} must be >= 1; got {values}")
     rows, step_rows = run(tiny=args.tiny, ranks=args.ranks, tokens_list=args.tokens,
                           **measure.round_args(ap, args))  # fmt: skip
     if args.out is not None:

@@ -55,7 +55,7 @@ import traceback
 import torch
 from torch import nn
 
-from benchmarks.measure import cuda_peak_bytes, error_text, write_csv
+from benchmarks.measure import cuda_graph, cuda_peak_bytes, error_text, write_csv
 
 BENCH = "torch_layer"
 SHAPES = [  # (d_in, d_out, r, tokens)
@@ -215,20 +215,15 @@ def _graphed_train(fn, params, ours, example, dy):
     import dora_torch
 
     static_x = example.detach().clone().requires_grad_(example.requires_grad)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn(static_x).backward(dy)
-    torch.cuda.current_stream().wait_stream(side)
-    for p in [*params, static_x]:
-        p.grad = None
-    if ours is not None:
-        dora_torch.clear_caches(ours)
-        ours._dora_norm_cache.base_sq(ours.weight)  # W is frozen: ‖W‖² stays cached, as in training
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn(static_x).backward(dy)
+
+    def before_capture():
+        for p in [*params, static_x]:
+            p.grad = None
+        if ours is not None:
+            dora_torch.clear_caches(ours)
+            ours._dora_norm_cache.base_sq(ours.weight)  # W is frozen: ‖W‖² stays cached
+
+    graph, _ = cuda_graph(lambda: fn(static_x).backward(dy), before_capture=before_capture)
 
     def replay(x):
         static_x.detach().copy_(x)
@@ -239,17 +234,14 @@ def _graphed_train(fn, params, ours, example, dy):
 
 def _graphed(fn, example):
     """fn (inference) captured in a CUDA graph; the returned callable copies its input into the
-    graph's static buffer and replays. Warm-up on a side stream first (caches, cuBLAS)."""
+    graph's static buffer and replays."""
     static_x = example.detach().clone()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side), torch.no_grad():
-        for _ in range(3):
-            fn(static_x)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph), torch.no_grad():
-        static_y = fn(static_x)
+
+    def call():
+        with torch.no_grad():
+            return fn(static_x)
+
+    graph, static_y = cuda_graph(call)
 
     def replay(x):
         static_x.copy_(x)

@@ -11,6 +11,7 @@ import csv
 import gc
 import pathlib
 import statistics
+import time
 from collections.abc import Callable
 
 
@@ -52,6 +53,76 @@ def cuda_time_ms(
     return statistics.median(times)
 
 
+def cuda_graph(
+    fn: Callable[[], object],
+    *,
+    warmup: int = 3,
+    before_capture: Callable[[], object] | None = None,
+) -> tuple[object, object]:
+    """(graph, fn's output in the capture): ``fn()`` run ``warmup`` times on a side stream (so
+    caches, cuBLAS workspaces and Triton compiles stay out of the capture), then
+    ``before_capture()`` if given, then captured into a ``torch.cuda.CUDAGraph``."""
+    import torch
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    if before_capture is not None:
+        before_capture()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
+
+
+def torch_time_rounds(
+    calls: dict[str, Callable[[], object]], *, rounds: int, per_round: int, timing: str
+) -> dict[str, list[float]]:
+    """name -> [µs per call in each round], the calls taking turns: ``timing`` "gpu" (CUDA
+    events around ``per_round`` back-to-back calls: device time) or "host" (perf_counter
+    around them, the wait for the device after the clock stops: what a host-bound caller
+    pays). Every call runs once before the first round."""
+    import torch
+
+    def sync():
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+
+    for call in calls.values():
+        call()
+    sync()
+    times = {name: [] for name in calls}
+    for _ in range(rounds):
+        for name, call in calls.items():
+            if timing == "gpu":
+                start = torch.cuda.Event(enable_timing=True)
+                end = torch.cuda.Event(enable_timing=True)
+                start.record()
+                for _ in range(per_round):
+                    call()
+                end.record()
+                end.synchronize()
+                times[name].append(start.elapsed_time(end) * 1e3 / per_round)
+                continue
+            t0 = time.perf_counter()
+            for _ in range(per_round):
+                call()
+            times[name].append((time.perf_counter() - t0) * 1e6 / per_round)
+            sync()
+    return times
+
+
+def positive_int(text: str) -> int:
+    """An argparse ``type``: an int ≥ 1 (argparse names the flag when this raises)."""
+    value = int(text)
+    if value < 1:
+        raise ValueError(text)
+    return value
+
+
 def cuda_peak_bytes(fn: Callable[[], object], *, before: Callable[[], object] | None = None) -> int:
     """Peak bytes allocated during one ``fn()`` call above the level just before it.
 
@@ -74,7 +145,6 @@ def cuda_peak_bytes(fn: Callable[[], object], *, before: Callable[[], object] | 
 
 def jax_time_ms(fn: Callable[[], object], *, warmup: int = 3, iters: int = 10) -> float:
     """Median wall time of ``fn()`` (a jitted JAX call) until its result is ready, in ms."""
-    import time
 
     import jax
 
@@ -102,7 +172,6 @@ def jax_time_rounds(
     ``back_to_back`` a round dispatches its ``per_round`` calls without waiting between them
     (as a training loop does, the host preparing the next step while the GPU runs this one)
     and gives the mean, the time until the last result is ready over ``per_round``."""
-    import time
 
     import jax
 
