@@ -5,8 +5,10 @@ A batch-1 × 2048 step on Llama-8B shapes is host-bound, and the host's speed dr
 minute to minute on the lent machines (benchmarks/NOTES.md, session 5): timing one provider
 after another confounds that drift with the providers. Here every variant owns its own model
 copy and optimizer, and the variants take turns, one step each, for ``--rounds`` rounds;
-each reports the min and median step time (CUDA-synchronised wall clock) and the host time
-of its forward and backward calls.
+each reports the min and median step time (CUDA-synchronised wall clock), the host time
+of its forward and backward calls, and where the GPU's time went (CUDA events recorded after
+each call, from an idle stream at the step's start): to the end of the forward's work (the
+host's lead-in before the first kernel included), of the backward's and of the optimizer's.
 
 ``--mode compile`` (or ``reduce-overhead``) runs each variant's model through its own
 ``torch.compile``, so compiled variants are compared in one process (compiled batch-1 steps
@@ -52,6 +54,7 @@ mode: a change against the code before it, in one process.
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import pathlib
 import statistics
@@ -89,8 +92,12 @@ FIELDS = [
     "date", "commit", "gpu", "variant", "rev", "mode", "optim", "adapters", "rank", "batch",
     "rounds",
     "step_min_ms", "step_median_ms", "fwd_host_min_ms", "fwd_host_median_ms", "bwd_host_min_ms",
-    "bwd_host_median_ms",
+    "bwd_host_median_ms", "fwd_gpu_median_ms", "bwd_gpu_median_ms", "opt_gpu_median_ms",
 ]  # fmt: skip
+#: What one step returns, in order: wall-clock step and host times of the forward and backward
+#: calls, then the GPU's time from the step's start (an empty stream) to the end of the
+#: forward's work, from there to the end of the backward's, and to the optimizer step's end.
+SAMPLES = ("step", "fwd_host", "bwd_host", "fwd_gpu", "bwd_gpu", "opt_gpu")
 
 
 def variants_for(mode: str, requested=None) -> list[str]:
@@ -143,20 +150,28 @@ def _stepper(
         _allow_recompiles(COMPILED_MODELS_MAX)
         run = torch.compile(model, options=opts or None)
 
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
+
     def step():
         for key, value in settings.items():
             setattr(config, key, value)
         bm._mark_step(mode)
         opt.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
         t0 = time.perf_counter()
+        events[0].record()
         loss = run(input_ids=ids, labels=ids).loss
+        events[1].record()
         t1 = time.perf_counter()
         loss.backward()
+        events[2].record()
         t2 = time.perf_counter()
         opt.step()
+        events[3].record()
         torch.cuda.synchronize()
         t3 = time.perf_counter()
-        return (t3 - t0) * 1e3, (t1 - t0) * 1e3, (t2 - t1) * 1e3
+        host = ((t3 - t0) * 1e3, (t1 - t0) * 1e3, (t2 - t1) * 1e3)
+        return host + tuple(a.elapsed_time(b) for a, b in itertools.pairwise(events))
 
     return step
 
@@ -212,19 +227,26 @@ def measure(
     for (name, optim), samples in times.items():
         per_round += [
             {"variant": name, "mode": mode, "optim": optim, "adapters": adapters, "rank": rank,
-             "round": i, "step_ms": round(t[0], 2), "fwd_host_ms": round(t[1], 2),
-             "bwd_host_ms": round(t[2], 2)}
+             "round": i, **{f"{what}_ms": round(v, 2) for what, v in zip(SAMPLES, t)}}
             for i, t in enumerate(samples)
         ]  # fmt: skip
         row = {"variant": name, "rev": rev[1] if name == "ours_rev" else "", "mode": mode,
                "optim": optim, "adapters": adapters, "rank": rank, "batch": batch,
                "rounds": rounds}  # fmt: skip
-        for i, what in enumerate(("step", "fwd_host", "bwd_host")):
-            values = [s[i] for s in samples]
-            row[f"{what}_min_ms"] = round(min(values), 2)
-            row[f"{what}_median_ms"] = round(statistics.median(values), 2)
-        rows.append(row)
+        rows.append({**row, **summarize(samples)})
     return rows, per_round
+
+
+def summarize(samples: list[tuple]) -> dict:
+    """One variant's step samples (tuples in ``SAMPLES`` order) as its CSV row's times: the
+    min and median of the wall-clock and host times, the median of the GPU phases."""
+    out = {}
+    for i, what in enumerate(SAMPLES):
+        values = [sample[i] for sample in samples]
+        if not what.endswith("_gpu"):
+            out[f"{what}_min_ms"] = round(min(values), 2)
+        out[f"{what}_median_ms"] = round(statistics.median(values), 2)
+    return out
 
 
 def run(out_dir: pathlib.Path) -> list[dict]:
@@ -283,7 +305,8 @@ def _bench(
                     f"[step_interleaved] r={rank} b={batch} {mode} {r['optim']} {setting}: "
                     f"{r['variant']:<20} step min {r['step_min_ms']:7.2f} med "
                     f"{r['step_median_ms']:7.2f} | fwd host {r['fwd_host_min_ms']:6.2f} | bwd "
-                    f"host {r['bwd_host_min_ms']:6.2f} ms",
+                    f"host {r['bwd_host_min_ms']:6.2f} ms | GPU fwd {r['fwd_gpu_median_ms']:6.2f} "
+                    f"bwd {r['bwd_gpu_median_ms']:6.2f} opt {r['opt_gpu_median_ms']:5.2f} ms",
                     flush=True,
                 )
             summary += ratios(got, None if rev is None else rev[1])

@@ -7,7 +7,14 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.bench_step_interleaved import INDUCTOR_OPTIONS, VARIANTS, ratios, variants_for
+from benchmarks.bench_step_interleaved import (
+    FIELDS,
+    INDUCTOR_OPTIONS,
+    VARIANTS,
+    ratios,
+    summarize,
+    variants_for,
+)
 
 
 def test_eager_runs_every_variant_without_inductor_options():
@@ -53,3 +60,15 @@ def test_ratios_compare_each_optimizer_with_lora_under_the_same_optimizer():
                  _row("ours", "foreach", 115.0, batch=4)])  # fmt: skip
     assert [(r["target"], r["ok"]) for r in b4] == [("<= 1.12", False)]
     assert "b=4" in b4[0]["metric"]
+
+
+def test_summarize_takes_min_and_median_of_times_and_median_of_gpu_phases():
+    samples = [(50.0, 5.0, 4.0, 20.0, 28.0, 3.0), (48.0, 6.0, 3.0, 18.0, 27.0, 2.0),
+               (52.0, 7.0, 5.0, 22.0, 30.0, 4.0)]  # fmt: skip
+    got = summarize(samples)
+    assert got == {
+        "step_min_ms": 48.0, "step_median_ms": 50.0, "fwd_host_min_ms": 5.0,
+        "fwd_host_median_ms": 6.0, "bwd_host_min_ms": 3.0, "bwd_host_median_ms": 4.0,
+        "fwd_gpu_median_ms": 20.0, "bwd_gpu_median_ms": 28.0, "opt_gpu_median_ms": 3.0,
+    }  # fmt: skip
+    assert set(got) <= set(FIELDS)
