@@ -68,6 +68,15 @@ COMPOSE_CANDIDATES = {
     "wide_k128": G(128, 256, 8, 8, 2, block_k=128),
     "tall": G(256, 128, 8, 8, 3),
     "n64_pf": G(128, 64, 8, 4, 4, prefetch_base=True),
+    # around the square prefetching tile (run 159's r = 384 winner): stages, group, no prefetch
+    "sq128_w4": G(128, 128, 8, 4, 3),
+    "sq128_w4_pf_s2": G(128, 128, 8, 4, 2, prefetch_base=True),
+    "sq128_w4_pf_s4": G(128, 128, 8, 4, 4, prefetch_base=True),
+    "sq128_w4_pf_g4": G(128, 128, 4, 4, 3, prefetch_base=True),
+    "sq128_w4_pf_g16": G(128, 128, 16, 4, 3, prefetch_base=True),
+    # larger tiles read fewer h and B bytes from L2 per output (NOTES session 35)
+    "wide_pf": G(128, 256, 8, 8, 3, prefetch_base=True),
+    "tall_pf": G(256, 128, 8, 8, 3, prefetch_base=True),
 }
 TINY_COMPOSE = ("narrow", "narrow_pf")
 SCALE_REDUCE_CANDIDATES = {f"c{i}": c for i, c in enumerate(config.BWD_CANDIDATES)}
