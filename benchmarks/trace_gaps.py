@@ -2,7 +2,9 @@
 
 Reads a Chrome trace written by ``bench_model_torch --profile`` (``*.trace.json.gz``: three
 steps, each inside a ``train_step`` range) and reports, per step, the host span, the GPU's
-busy and idle time between the step's first and last kernel, and the idle time grouped by
+busy and idle time between the step's first and last kernel, the host time before the first
+kernel started (Dynamo's guards, the graph tree's input checks before a replay) and after the
+last one ended, and the idle time grouped by
 what the host was doing when it launched the kernel that ended each gap (the innermost CPU
 op around that launch, and its outermost ancestor inside the step). A step whose idle time
 is large is host-bound; the groups say which host work to cut. ``--kernels`` also prints the
@@ -108,6 +110,9 @@ def analyse(events: list[dict], min_gap_us: float = 5.0):
             "gpu_span_ms": (end - mine[0][0]["ts"]) / 1e3,
             "gpu_busy_ms": busy / 1e3,
             "gpu_idle_ms": idle / 1e3,
+            # the host's work before the step's first kernel, and after its last one ended
+            "lead_in_ms": (mine[0][0]["ts"] - lo) / 1e3,
+            "tail_ms": (hi - end) / 1e3,
             "kernels": len(mine),
             "idle_by_inner": by_inner,
             "idle_by_outer": by_outer,
@@ -136,7 +141,9 @@ def main() -> None:
         for i, r in enumerate(steps):
             print(
                 f"step {i}: host {r['host_ms']:.2f} ms, GPU span {r['gpu_span_ms']:.2f}, busy "
-                f"{r['gpu_busy_ms']:.2f}, idle {r['gpu_idle_ms']:.2f} ms, {r['kernels']} kernels"
+                f"{r['gpu_busy_ms']:.2f}, idle {r['gpu_idle_ms']:.2f} ms, {r['kernels']} kernels; "
+                f"before the first kernel {r['lead_in_ms']:.2f} ms, after the last "
+                f"{r['tail_ms']:.2f} ms"
             )
             groups = (("outermost", r["idle_by_outer"]), ("innermost", r["idle_by_inner"]))
             for title, counter in groups:

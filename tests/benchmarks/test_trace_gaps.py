@@ -41,6 +41,8 @@ def test_idle_time_is_charged_to_the_launching_host_op(tmp_path):
     assert step["gpu_idle_ms"] == 0.385  # k1 ends at 130, k2 starts at 515
     assert step["idle_by_inner"] == {"inner": 385}
     assert step["idle_by_outer"] == {"outer": 385}
+    assert step["lead_in_ms"] == 0.03  # the step starts at 0, k1 at 30
+    assert step["tail_ms"] == 0.385  # k2 ends at 615, the step at 1000
 
 
 def test_kernel_families():
