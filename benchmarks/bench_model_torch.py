@@ -262,7 +262,8 @@ def profile_train(
     model, run, ids, path: pathlib.Path, mode: str = "eager", optim: str = "foreach"
 ) -> None:
     """torch.profiler tables (device and host time per op) of 3 training steps of ``run``
-    (``model`` itself or its compiled form, already warm), every op and kernel of them as CSV
+    (``model`` itself or its compiled form, already warm; each ends in a synchronisation, so
+    each starts on an idle GPU as the timed steps do), every op and kernel of them as CSV
     beside ``path`` (``.csv``: calls and self times, to diff two providers) and their
     timeline (``.trace.json.gz``, Chrome trace format; ``benchmarks.trace_gaps`` lists where
     the GPU waits for the host)."""
@@ -287,9 +288,9 @@ def profile_train(
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(3):
-            with record_function(TRACE_STEP):
+            with record_function(TRACE_STEP):  # synchronised, as measure_train's steps are
                 step()
-        torch.cuda.synchronize()
+                torch.cuda.synchronize()
     trace = path.with_suffix(".trace.json")
     prof.export_chrome_trace(str(trace))
     with trace.open("rb") as src, gzip.open(f"{trace}.gz", "wb") as dst:
