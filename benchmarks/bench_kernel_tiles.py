@@ -1,5 +1,5 @@
-"""Our two kernels that stream [T, d_out] tensors, at the bench model's shapes: their tile
-candidates against the one the library picks, cuBLAS and copies, by device time.
+"""Our kernels that stream [T, d_out] or [d_out, r] tensors, at the bench model's shapes:
+their tile candidates against the one the library picks, cuBLAS and copies, by device time.
 
 **compose** (``kernels/compose._lora_gemm_compose_kernel``, the forward's epilogue GEMM):
 y = g ⊙ (base + s·h Bᵀ) reads base [T, d_out] and writes y over it, with a K = r product in
@@ -20,6 +20,14 @@ which at ~25 µs per call measured the launcher, not the kernel.) Forms: ``chose
 (``config.BWD``); ``c{i}`` for each ``config.BWD_CANDIDATES`` entry; ``add``
 (``torch.add(dy, y, out=z)``: the same bytes).
 
+**norm** (``kernels/norm.assemble_norm`` for a 16-bit layer with bf16 B, as the bench model's
+bf16 adapters have; tokens do not enter): n from ‖W‖², U = W·Aᵀ [d_out, r] fp32, B and
+G = A·Aᵀ. Forms: ``chosen`` (``"auto"``: the gemm from r = ``config.NORM_GEMM_MIN_RANK``);
+``gemm`` (split G, one cuBLAS GEMM writing a [d_out, 2r] fp32 B·G, the rows kernel);
+``kernel`` (B·G in registers by 3xTF32 dots); ``pairs`` and every ``NORM_PAIRS_CANDIDATES``
+entry (the gemm's bf16 products in registers, ``config.NORM_PAIRS`` blocks or the entry's);
+``copy`` (U copied: the bytes of its one read).
+
 Each form's launches are captured in a CUDA graph and replayed ``--per-round`` times back
 to back (device time; no host in it), the forms taking turns over ``--rounds`` rounds;
 medians in µs, and each form's paired ratio to ``chosen``. ``max_rel_diff``: the largest
@@ -35,8 +43,10 @@ Writes ``kernel_tiles.csv``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import pathlib
 import statistics
+from typing import NamedTuple
 
 import torch
 
@@ -45,6 +55,7 @@ from benchmarks.measure import paired_ratio, write_csv
 from dora_torch import config
 from dora_torch.kernels.backward import scale_reduce
 from dora_torch.kernels.compose import compose_forward
+from dora_torch.kernels.norm import assemble_norm
 
 #: A probe with its own command line: ``make gpu`` (benchmarks/run.py) skips it.
 IN_MAKE_GPU = False
@@ -79,9 +90,20 @@ COMPOSE_CANDIDATES = {
     "tall_pf": G(256, 128, 8, 8, 3, prefetch_base=True),
 }
 TINY_COMPOSE = ("narrow", "narrow_pf")
+#: (BLOCK_M, BLOCK_R, BLOCK_K, warps, stages) of the pairs assembly's kernel.
+NORM_PAIRS_CANDIDATES = {
+    "pairs_m128_w8": (128, 64, 64, 8, 3),
+    "pairs_m128_w4": (128, 64, 64, 4, 3),
+    "pairs_r128": (64, 128, 64, 4, 3),
+    "pairs_k128": (64, 64, 128, 4, 2),
+    "pairs_s2": (64, 64, 64, 4, 2),
+    "pairs_m32": (32, 64, 64, 4, 3),
+}
+TINY_NORM = ("gemm", "kernel", "pairs", "pairs_m32")
+NORM_FORMS = ("gemm", "kernel", "pairs", *NORM_PAIRS_CANDIDATES)
 SCALE_REDUCE_CANDIDATES = {f"c{i}": c for i, c in enumerate(config.BWD_CANDIDATES)}
 TINY_SCALE_REDUCE = ("c0", "c10")
-KERNELS = ("compose", "scale_reduce")
+KERNELS = ("compose", "scale_reduce", "norm")
 
 
 class Operands:
@@ -104,10 +126,27 @@ class Operands:
         self.dy = rand(tokens, d_out)
         self.y = rand(tokens, d_out)
         self.z = torch.empty_like(self.y)
+        # the norm's terms (fp32, as the norm's GEMMs write them): |U| keeps every n² > 0
+        a = torch.randn(r, 256, generator=gen) / 16
+        self.g = (a @ a.t()).to(device)
+        self.u = (torch.randn(d_out, r, generator=gen) * 0.1).to(device)
+        self.u2 = torch.empty_like(self.u)
+        self.base_sq = (torch.rand(d_out, generator=gen) + 1.0).to(device)
+
+
+class NormBlocks(NamedTuple):
+    """The pairs kernel's blocks (``config.NORM_PAIRS``'s order), named for the CSV."""
+
+    block_m: int
+    block_r: int
+    block_k: int
+    num_warps: int
+    num_stages: int
 
 
 def candidates(kernel: str) -> dict:
-    return COMPOSE_CANDIDATES if kernel == "compose" else SCALE_REDUCE_CANDIDATES
+    return {"compose": COMPOSE_CANDIDATES, "scale_reduce": SCALE_REDUCE_CANDIDATES,
+            "norm": {"pairs": config.NORM_PAIRS, **NORM_PAIRS_CANDIDATES}}[kernel]  # fmt: skip
 
 
 def form(kernel: str, name: str, o: Operands):
@@ -120,6 +159,14 @@ def form(kernel: str, name: str, o: Operands):
             return lambda: torch.addmm(o.base, o.h, o.b.t(), alpha=o.s)
         cfg = None if name == "chosen" else COMPOSE_CANDIDATES[name]
         return lambda: compose_forward(o.h, o.b, o.base, o.m, o.n, o.s, gemm_config=cfg)
+    if kernel == "norm":
+        if name == "copy":
+            return lambda: o.u2.copy_(o.u)
+        method = {"chosen": "auto", "gemm": "gemm", "kernel": "kernel"}.get(name, "pairs")
+        blocks = candidates("norm").get(name)
+        return lambda: assemble_norm(
+            o.base_sq, o.u, o.b, o.g, o.s, method=method, bf16x3=True, pairs_blocks=blocks
+        )
     if name == "add":
         return lambda: torch.add(o.dy, o.y, out=o.z)
     cfg = None if name == "chosen" else SCALE_REDUCE_CANDIDATES[name]
@@ -136,7 +183,10 @@ def rel_diff(kernel: str, o: Operands, name: str) -> float:
     for n in ("chosen", name):
         o.base.copy_(o.base0)
         out = form(kernel, n, o)()
-        parts = (out[0],) if kernel == "compose" else (out[0], out[2])
+        if kernel == "norm":
+            parts = (out,)
+        else:
+            parts = (out[0],) if kernel == "compose" else (out[0], out[2])
         outs.append([t.float().clone() for t in parts])
     o.base.copy_(o.base0)
     return max(
@@ -148,6 +198,8 @@ def rel_diff(kernel: str, o: Operands, name: str) -> float:
 def _chosen(kernel: str, tokens: int, d_out: int, rank: int):
     if kernel == "compose":
         return config.lora_gemm_config(tokens, d_out, rank)
+    if kernel == "norm":
+        return None  # "auto": a method, not blocks
     return config.BWD
 
 
@@ -157,12 +209,14 @@ def run(*, tiny: bool, kernels, ranks, tokens_list, rounds: int, per_round: int)
     widths = ((48, 1), (80, 1)) if tiny else WIDTHS
     rows = []
     for kernel in kernels:
-        names = {"compose": TINY_COMPOSE, "scale_reduce": TINY_SCALE_REDUCE}[kernel]
-        names = names if tiny else tuple(candidates(kernel))
-        refs = {"compose": ("cublas_addmm", "copy"), "scale_reduce": ("add",)}[kernel]
-        # the pass does not depend on r: one rank
-        for rank in ranks if kernel == "compose" else ranks[:1]:
-            for tokens in tokens_list:
+        names = {"compose": TINY_COMPOSE, "scale_reduce": TINY_SCALE_REDUCE,
+                 "norm": TINY_NORM}[kernel]  # fmt: skip
+        names = names if tiny else NORM_FORMS if kernel == "norm" else tuple(candidates(kernel))
+        refs = {"compose": ("cublas_addmm", "copy"), "scale_reduce": ("add",),
+                "norm": ("copy",)}[kernel]  # fmt: skip
+        # the pass does not depend on r, the norm not on the tokens: one of each
+        for rank in ranks[:1] if kernel == "scale_reduce" else ranks:
+            for tokens in tokens_list[:1] if kernel == "norm" else tokens_list:
                 for d_out, per_layer in widths:
                     o = Operands(tokens, d_out, rank, dtype=dtype, device=device)
                     diffs = {n: rel_diff(kernel, o, n) for n in names}
@@ -180,15 +234,24 @@ def run(*, tiny: bool, kernels, ranks, tokens_list, rounds: int, per_round: int)
                     chosen = _chosen(kernel, tokens, d_out, rank)
                     for n in forms:
                         cfg = candidates(kernel).get(n, chosen if n == "chosen" else None)
+                        if kernel == "norm" and cfg is not None:  # a blocks tuple
+                            cfg = NormBlocks(*cfg)
                         rows.append({**head, "form": n, "us": statistics.median(times[n]),
                                      "ratio_to_chosen": paired_ratio(times, n, "chosen"),
                                      "max_rel_diff": diffs.get(n, 0.0 if n == "chosen" else None),
                                      "per_step": per_layer * LAYERS,
                                      "is_chosen": cfg == chosen,
-                                     **({} if cfg is None else vars(cfg))})  # fmt: skip
+                                     **_fields(cfg)})  # fmt: skip
                         _print(rows[-1])
                     del o, calls
     return rows
+
+
+def _fields(cfg) -> dict:
+    """A candidate's parameters as CSV columns (none for cuBLAS, copies and "auto")."""
+    if cfg is None:
+        return {}
+    return cfg._asdict() if isinstance(cfg, NormBlocks) else dataclasses.asdict(cfg)
 
 
 def _print(row: dict) -> None:

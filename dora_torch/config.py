@@ -203,7 +203,8 @@ NORM_WIDE_RANK = 64
 #: TF32 parts (three tensor-core products), ~fp32 accuracy; "ieee" is exact fp32 FMA (slow).
 NORM_DOT_PRECISION = "tf32x3"
 #: How the fused tier assembles the norm (kernels/norm.py): "kernel" (B·G in registers, the
-#: fused kernel above), "gemm" (one cuBLAS GEMM for B·G, then a row-reduction kernel) or
+#: fused kernel above), "gemm" (one cuBLAS GEMM for B·G, then a row-reduction kernel), "pairs"
+#: (the gemm's bf16 products formed in registers: a 16-bit W only) or
 #: "auto": "gemm" from ``NORM_GEMM_MIN_RANK`` up where it keeps the layer's accuracy (a 16-bit
 #: W with ``NORM_GEMM_BF16X3``, or IEEE fp32 matmuls: ``torch.backends.cuda.matmul.allow_tf32``
 #: off), "kernel" otherwise. Run 17 (8192 rows, µs, IEEE gemm / best kernel blocks): r = 128:
@@ -229,6 +230,8 @@ NORM_GEMM_MIN_RANK = 256
 NORM_ROWS_BLOCK_M = 16
 NORM_ROWS_BLOCK_R = 128
 NORM_ROWS_WARPS = 4
+#: (BLOCK_M, BLOCK_R, BLOCK_K, warps, stages) of the "pairs" assembly's kernel.
+NORM_PAIRS = (64, 64, 64, 4, 3)
 
 
 def interp_small(block: int, small: int = 16) -> int:

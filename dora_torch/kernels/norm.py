@@ -2,7 +2,7 @@
 
     n_i = sqrt(max(‖W_i‖² + 2s·Σ_j B_ij U_ij + s²·Σ_j (B G)_ij B_ij, 0))
 
-with U = W Aᵀ [d_out, r] and G = A Aᵀ [r, r] (fp32, from GEMMs). Two ways
+with U = W Aᵀ [d_out, r] and G = A Aᵀ [r, r] (fp32, from GEMMs). Three ways
 (``config.NORM_ASSEMBLY``):
 
 - ``"kernel"``: ``_norm_assemble_kernel``, one program per block of rows: (B G) is formed tile
@@ -21,6 +21,11 @@ with U = W Aᵀ [d_out, r] and G = A Aᵀ [r, r] (fp32, from GEMMs). Two ways
   the layer's output (a bf16 B has B_lo = 0 and the K = r half alone). Otherwise an fp32
   GEMM, whose accuracy follows ``torch.backends.cuda.matmul.allow_tf32`` (off by default:
   IEEE fp32).
+- ``"pairs"``: the bf16x3 products of ``"gemm"`` (a 16-bit W only), formed tile by tile in
+  ``_norm_pairs_kernel`` and reduced at once, as ``"kernel"`` does: B·G never reaches memory
+  (at r = 384 the gemm writes and the rows kernel reads a [rows, 2r] fp32 B·G, ~2 GB per
+  8-layer step), and one launch replaces the GEMM and the rows kernel. The same bf16 products
+  as ``"gemm"``, summed into one fp32 accumulator instead of two halves added after.
 - ``"auto"`` (``assembly_method``): "gemm" for large r when it keeps the accuracy of the layer
   (bf16x3 for a 16-bit W, or IEEE fp32 matmuls), else "kernel": the accuracy never depends on
   a global flag.
@@ -34,7 +39,7 @@ import triton.language as tl
 
 from .. import config
 from ..matmul import mm_out
-from .common import cdiv, check_launchable, next_pow2, unit_stride
+from .common import cdiv, check_launchable, dot_fp32, next_pow2, unit_stride
 from .launch import Launcher
 
 
@@ -97,6 +102,10 @@ def _norm_assemble_kernel(
 _launch_norm_assemble = Launcher(_norm_assemble_kernel)
 
 
+#: The values of ``assemble_norm``'s ``method`` (and ``config.NORM_ASSEMBLY``).
+ASSEMBLY_METHODS = ("kernel", "gemm", "pairs", "auto")
+
+
 def assembly_method(r: int, bf16x3: bool = False) -> str:
     """The method ``"auto"`` picks for rank r (module docstring); ``bf16x3``: the layer's W is
     16-bit, so the gemm may split its operands into bf16 terms."""
@@ -113,14 +122,26 @@ def assemble_norm(
     *,
     method: str | None = None,
     bf16x3: bool = False,
+    pairs_blocks: tuple | None = None,
 ) -> torch.Tensor:
     """n [d_out] fp32 from base_sq [d_out] fp32, U [d_out, r] fp32, lora_B [d_out, r] (any
-    float dtype), G [r, r] fp32. ``method``: "kernel", "gemm" or "auto" (default
-    ``config.NORM_ASSEMBLY``); ``bf16x3``: the layer's W is 16-bit, and the gemm forms B·G
-    from bf16 products when ``config.NORM_GEMM_BF16X3`` (see the module docstring)."""
-    method = config.NORM_ASSEMBLY if method is None else method
-    if method not in ("kernel", "gemm", "auto"):
-        raise ValueError(f"method must be 'kernel', 'gemm' or 'auto'; got {method!r}")
+    float dtype), G [r, r] fp32. ``method``: "kernel", "gemm", "pairs" or "auto"
+    (default ``config.NORM_ASSEMBLY``); ``bf16x3``: the layer's W is 16-bit, and the gemm forms
+    B·G from bf16 products when ``config.NORM_GEMM_BF16X3`` (see the module docstring);
+    "pairs" always does, so it needs ``bf16x3`` (``config.NORM_ASSEMBLY = "pairs"`` leaves
+    other layers to "auto"). ``pairs_blocks``: the pairs kernel's (BLOCK_M, BLOCK_R,
+    BLOCK_K, warps, stages) instead of ``config.NORM_PAIRS`` (benchmarks)."""
+    chosen = config.NORM_ASSEMBLY if method is None else method
+    if chosen not in ASSEMBLY_METHODS:
+        raise ValueError(f"method must be one of {ASSEMBLY_METHODS}; got {chosen!r}")
+    if chosen == "pairs" and not bf16x3:
+        if method is not None:
+            raise ValueError(
+                "method='pairs' forms B·G from bf16 pairs, within the error bound of a 16-bit "
+                "layer only: it needs bf16x3=True (a 16-bit W)"
+            )
+        chosen = "auto"
+    method = chosen
     check_launchable(U)
     (base_sq,) = unit_stride(base_sq)
     N, R = lora_B.shape
@@ -132,6 +153,8 @@ def assemble_norm(
     if method == "gemm":
         split = bf16x3 and config.NORM_GEMM_BF16X3
         return _assemble_by_gemm(base_sq, U, lora_B, G, scaling, out, split)
+    if method == "pairs":
+        return _assemble_by_pairs(base_sq, U, lora_B, G, scaling, out, pairs_blocks)
     wide = R >= config.NORM_WIDE_RANK
     bm, br, warps = config.NORM_KERNEL_BLOCKS_WIDE if wide else config.NORM_KERNEL_BLOCKS
     bm = config.interp_small(bm)
@@ -206,6 +229,72 @@ _launch_norm_rows = Launcher(_norm_rows_kernel)
 
 
 @triton.jit
+def _norm_pairs_kernel(
+    base_sq_ptr,
+    u_ptr,
+    lhs_ptr,
+    rhs_ptr,
+    lb_ptr,
+    out_ptr,
+    N,
+    R,
+    KL,
+    stride_un,
+    stride_ln,
+    stride_rk,
+    stride_bn,
+    stride_br,
+    s,
+    BLOCK_M: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
+    """n_i = sqrt(max(base_sq_i + Σ_j B_ij (2s·U_ij + s²·(BG)_ij), 0)) for a block of rows,
+    with (BG)_ij = Σ_k lhs_ik (rhs_kj + rhs_k(R+j)): ``bg_bf16x3``'s operands (lhs [N, KL] bf16,
+    B or [B_hi | B_lo]; rhs [KL, 2R] bf16, [G_hi | G_lo] or [[G_hi, G_lo], [G_hi, 0]]; unit
+    column strides), both halves' products accumulated in fp32 in one tile. U is fp32 with
+    unit column stride; lb is B as the layer holds it (the reduction's own factor)."""
+    # Scalars arrive as fp64 when Inductor launches the kernel: keep the math in fp32.
+    s = tl.cast(s, tl.float32)
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    mask_m = rows < N
+    acc = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    for j0 in range(0, R, BLOCK_R):
+        js = j0 + tl.arange(0, BLOCK_R)
+        mask_j = js < R
+        bg = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+        for k0 in range(0, KL, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            mask_k = ks < KL
+            lhs = tl.load(
+                lhs_ptr + rows[:, None] * stride_ln + ks[None, :],
+                mask=mask_m[:, None] & mask_k[None, :],
+                other=0.0,
+            )
+            at = rhs_ptr + ks[:, None] * stride_rk + js[None, :]
+            mask_kj = mask_k[:, None] & mask_j[None, :]
+            hi = tl.load(at, mask=mask_kj, other=0.0)
+            lo = tl.load(at + R, mask=mask_kj, other=0.0)
+            if DOT_FP32:  # the interpreter (common.dot_fp32): exact upcasts of bf16 values
+                lhs, hi, lo = lhs.to(tl.float32), hi.to(tl.float32), lo.to(tl.float32)
+            # "ieee" matters only to those fp32 upcasts; bf16 products are exact either way
+            bg = tl.dot(lhs, hi, bg, input_precision="ieee")
+            bg = tl.dot(lhs, lo, bg, input_precision="ieee")
+        mask = mask_m[:, None] & mask_j[None, :]
+        b = tl.load(
+            lb_ptr + rows[:, None] * stride_bn + js[None, :] * stride_br, mask=mask, other=0.0
+        ).to(tl.float32)
+        u = tl.load(u_ptr + rows[:, None] * stride_un + js[None, :], mask=mask, other=0.0)
+        acc += tl.sum(b * (2.0 * s * u + s * s * bg), axis=1)
+    base_sq = tl.load(base_sq_ptr + rows, mask=mask_m, other=0.0).to(tl.float32)
+    tl.store(out_ptr + rows, tl.sqrt(tl.maximum(base_sq + acc, 0.0)), mask=mask_m)
+
+
+_launch_norm_pairs = Launcher(_norm_pairs_kernel)
+
+
+@triton.jit
 def _round_bf16(x):
     """x (fp32) rounded to the nearest bf16 value, ties to even, still as fp32: on the bits (add
     0x7FFF plus the lsb kept, clear the low 16 bits), so the Triton interpreter (whose casts
@@ -260,10 +349,7 @@ def bg_bf16x3(lora_B: torch.Tensor, G: torch.Tensor) -> torch.Tensor:
     """[B_hi | B_lo]·[[G_hi, G_lo], [G_hi, 0]] as [rows, 2r] fp32 (module docstring): bf16
     products accumulated in fp32 (cuBLAS on CUDA; fp32 arithmetic on exact bf16 values
     elsewhere, the same sums)."""
-    if lora_B.dtype == torch.bfloat16:
-        lhs, rhs = lora_B, split_bf16(G)
-    else:
-        lhs, rhs = split_bf16(lora_B), split_bf16(G, stacked=True)
+    lhs, rhs = _pair_operands(lora_B, G)
     if lhs.is_cuda:
         return mm_out(lhs, rhs, torch.float32)
     return lhs.float() @ rhs.float()
@@ -295,5 +381,51 @@ def _assemble_by_gemm(base_sq, U, lora_B, G, scaling, out, split: bool):
         BLOCK_M=bm,
         BLOCK_R=br,
         num_warps=config.NORM_ROWS_WARPS,
+    )
+    return out
+
+
+def _pair_operands(lora_B: torch.Tensor, G: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``bg_bf16x3``'s operands: (B, [G_hi | G_lo]) for a bf16 B, else ([B_hi | B_lo],
+    [[G_hi, G_lo], [G_hi, 0]])."""
+    if lora_B.dtype == torch.bfloat16:
+        return lora_B, split_bf16(G)
+    return split_bf16(lora_B), split_bf16(G, stacked=True)
+
+
+def _assemble_by_pairs(base_sq, U, lora_B, G, scaling, out, blocks=None):
+    """The ``"pairs"`` assembly: G (and a non-bf16 B) split into bf16 pairs, then one kernel.
+    ``blocks``: (BLOCK_M, BLOCK_R, BLOCK_K, warps, stages), default ``config.NORM_PAIRS``."""
+    N, R = lora_B.shape
+    U = U.contiguous()
+    lhs, rhs = _pair_operands(lora_B, G)
+    lhs = lhs.contiguous()
+    bm, br, bk, warps, stages = config.NORM_PAIRS if blocks is None else blocks
+    bm = config.interp_small(bm)
+    br = max(16, min(config.interp_small(br), next_pow2(R)))
+    bk = max(16, min(config.interp_small(bk), next_pow2(lhs.shape[1])))
+    _launch_norm_pairs(
+        (cdiv(N, bm),),
+        base_sq,
+        U,
+        lhs,
+        rhs,
+        lora_B,
+        out,
+        N,
+        R,
+        lhs.shape[1],
+        U.stride(0),
+        lhs.stride(0),
+        rhs.stride(0),
+        lora_B.stride(0),
+        lora_B.stride(1),
+        float(scaling),
+        BLOCK_M=bm,
+        BLOCK_R=br,
+        BLOCK_K=bk,
+        DOT_FP32=dot_fp32(lhs.dtype),
+        num_warps=warps,
+        num_stages=stages,
     )
     return out

@@ -111,9 +111,9 @@ def norm_pass_applies(weight: torch.Tensor, r: int) -> bool:
         return False
     if not (weight.is_cuda or config.interpreting()):
         return False
-    method = config.NORM_ASSEMBLY
-    if method == "auto":
-        method = assembly_method(r, weight.dtype != torch.float32)
+    method, bf16x3 = config.NORM_ASSEMBLY, weight.dtype != torch.float32
+    if method == "auto" or (method == "pairs" and not bf16x3):
+        method = assembly_method(r, bf16x3)
     return method == "kernel"
 
 

@@ -35,11 +35,26 @@ def test_each_pass_form_scales_and_reduces(name):
     torch.testing.assert_close(dm.double(), (dy * y / g).sum(0) / n, rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("name", ["chosen", *kt.TINY_NORM])
+def test_each_norm_form_assembles_the_norm(name):
+    o = kt.Operands(5, 40, 24, dtype=torch.float32, device="cpu")
+    b, u, g, base_sq = (t.double() for t in (o.b, o.u, o.g, o.base_sq))
+    want = (base_sq + (b * (2 * o.s * u + o.s**2 * (b @ g))).sum(1)).sqrt()
+    got = kt.form("norm", name, o)().double()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
+    # a control: the B·G term is not small, so a form that dropped it would fail
+    assert float(((base_sq + (b * 2 * o.s * u).sum(1)).sqrt() - want).abs().max()) > 1e-4
+
+
 def test_the_tiny_run_reports_every_candidate(tmp_path):
     rows = kt.main(["--tiny", "--ranks", "4", "--tokens", "300", "--out", str(tmp_path)])
     assert [(r["kernel"], r["d_out"], r["form"]) for r in rows] == [
         (kernel, d_out, name)
-        for kernel, names in (("compose", kt.TINY_COMPOSE), ("scale_reduce", kt.TINY_SCALE_REDUCE))
+        for kernel, names in (
+            ("compose", kt.TINY_COMPOSE),
+            ("scale_reduce", kt.TINY_SCALE_REDUCE),
+            ("norm", kt.TINY_NORM),
+        )
         for d_out in (48, 80)
         for name in names
     ]

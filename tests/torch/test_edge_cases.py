@@ -126,26 +126,54 @@ def test_split_bf16_rounds_like_torch():
     assert not stacked[3:, 100:].any()
 
 
-@pytest.mark.parametrize("r", [1, 6, 40])
-def test_gemm_assembly_bf16x3_norm_within_its_bound(r):
-    """The gemm assembly with bf16x3 (a 16-bit layer) against float64: the norm moves by at
-    most what the B·G bound allows (and the split rows kernel sums both halves)."""
+@pytest.mark.parametrize("b_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("method", ["gemm", "pairs"])
+# 40 > the interpreter's blocks: several j and k steps, masked; 72: K = 2r = 144 for an fp32 B
+@pytest.mark.parametrize("r", [1, 6, 40, 72])
+def test_bf16x3_assemblies_norm_within_their_bound(r, method, b_dtype):
+    """The bf16x3 assemblies (a 16-bit layer: the gemm's, and the pairs kernel forming the
+    same products in registers) against float64: the norm moves by at most what the B·G bound
+    allows (each sums both halves)."""
     from dora_torch.kernels.norm import assemble_norm
     from dora_torch.norm import cross_terms, gram
 
     _, W, A, B, _, _, s = random_case_tensors(7, d_in=45, d_out=37, r=r)
-    B = B * 4  # a large s²·B G Bᵀ term, so that its error shows
+    B = (B * 4).to(b_dtype)  # a large s²·B G Bᵀ term, so that its error shows
     base_sq = dora_torch.base_sq_norm(W)
     U, G = cross_terms(W, A), gram(A, W)
-    got = assemble_norm(base_sq, U, B, G, s, method="gemm", bf16x3=True).double()
+    got = assemble_norm(base_sq, U, B, G, s, method=method, bf16x3=True).double()
     Bd, Ud, Gd = B.double(), U.double(), G.double()
     sq = base_sq.double() + (Bd * (2 * s * Ud + s * s * (Bd @ Gd))).sum(1)
     want = sq.sqrt()
     slack = s * s * (Bd.abs() * (Bd.abs() @ Gd.abs())).sum(1) * 3 * 2.0**-16
     assert ((got**2 - sq).abs() <= slack + 1e-6 * sq).all()
     plain = assemble_norm(base_sq, U, B, G, s, method="gemm").double()
-    assert not torch.equal(got, plain)  # the split path ran
+    if b_dtype == torch.float32:
+        assert not torch.equal(got, plain)  # the split path ran
     np.testing.assert_allclose(plain.numpy(), want.numpy(), rtol=2e-6)
+    # the same bf16 products as the gemm's, in another order of fp32 sums
+    gemm = assemble_norm(base_sq, U, B, G, s, method="gemm", bf16x3=True).double()
+    np.testing.assert_allclose(got.numpy(), gemm.numpy(), rtol=1e-6)
+
+
+def test_pairs_assembly_needs_a_16_bit_layer(monkeypatch):
+    """method="pairs" names what it needs; set in config it serves the 16-bit layers and
+    leaves an fp32 layer to "auto" (and the one-pass norm at small ranks to fp32 layers)."""
+    from dora_torch import config
+    from dora_torch.kernels.norm import assemble_norm
+    from dora_torch.kernels.norm_pass import norm_pass_applies
+    from dora_torch.norm import cross_terms, gram
+
+    _, W, A, B, _, _, s = random_case_tensors(8, d_in=45, d_out=37, r=6)
+    base_sq, U, G = dora_torch.base_sq_norm(W), cross_terms(W, A), gram(A, W)
+    with pytest.raises(ValueError, match="bf16x3=True"):
+        assemble_norm(base_sq, U, B, G, s, method="pairs")
+    auto = assemble_norm(base_sq, U, B, G, s, method="auto")
+    monkeypatch.setattr(config, "NORM_ASSEMBLY", "pairs")
+    assert torch.equal(assemble_norm(base_sq, U, B, G, s), auto)
+    pairs = assemble_norm(base_sq, U, B, G, s, bf16x3=True)
+    assert torch.equal(pairs, assemble_norm(base_sq, U, B, G, s, method="pairs", bf16x3=True))
+    assert norm_pass_applies(W, 6) and not norm_pass_applies(W.bfloat16(), 6)
 
 
 def test_factored_norm_bf16_accumulates_in_fp32():

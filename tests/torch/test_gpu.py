@@ -142,23 +142,29 @@ def test_cuda_compile_fullgraph_fused():
 
 
 @pytest.mark.parametrize("s", [0.5, 1.7, 3.0])  # not 2: there 2s = s² hides swapped terms
-@pytest.mark.parametrize("method", ["kernel", "gemm", "auto"])
-@pytest.mark.parametrize(("d_out", "r"), [(8193, 384), (1000, 7), (4096, 16)])
+@pytest.mark.parametrize("method", ["kernel", "gemm", "pairs", "auto"])
+@pytest.mark.parametrize(("d_out", "r"), [(8193, 384), (1000, 7), (4096, 16), (3001, 300)])
 @pytest.mark.parametrize("bf16x3", [False, True])
-def test_cuda_norm_assembly_methods_match_fp64(method, d_out, r, s, bf16x3):
-    """Both fused norm assemblies (config.NORM_ASSEMBLY) on odd shapes vs float64 torch; for a
-    16-bit layer (``bf16x3``) the gemm's B·G is within its bound (kernels/norm.py)."""
+@pytest.mark.parametrize("b_dtype", [torch.float32, torch.bfloat16])
+def test_cuda_norm_assembly_methods_match_fp64(method, d_out, r, s, bf16x3, b_dtype):
+    """The fused norm assemblies (config.NORM_ASSEMBLY) on odd shapes vs float64 torch; for a
+    16-bit layer (``bf16x3``) the gemm's and the pairs kernel's B·G are within their bound
+    (kernels/norm.py), and "pairs" refuses any other layer."""
     from dora_torch.kernels.norm import assemble_norm
 
     torch.manual_seed(0)
     U = torch.randn(d_out, r, device="cuda") * 0.1  # keeps every n² well above 0
-    B = torch.randn(d_out, r, device="cuda") * 0.1
+    B = (torch.randn(d_out, r, device="cuda") * 0.1).to(b_dtype)
     A = torch.randn(r, 256, device="cuda") / 16
     G = A @ A.t()
     base_sq = torch.rand(d_out, device="cuda") + 1.0
     Bd, Ud, Gd = B.double(), U.double(), G.double()
     sq = base_sq.double() + (Bd * (2 * s * Ud + s * s * (Bd @ Gd))).sum(1)
     want = sq.clamp_min(0).sqrt()
+    if method == "pairs" and not bf16x3:
+        with pytest.raises(ValueError, match="bf16x3=True"):
+            assemble_norm(base_sq, U, B, G, s, method=method, bf16x3=bf16x3)
+        return
     got = assemble_norm(base_sq, U, B, G, s, method=method, bf16x3=bf16x3).double()
     torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
     if bf16x3:  # the split's own bound on n², plus fp32 rounding
