@@ -41,6 +41,7 @@ from .. import config
 from ..matmul import mm_out
 from .common import cdiv, check_launchable, dot_fp32, next_pow2, unit_stride
 from .launch import Launcher
+from .workspace import ticket_counters
 
 
 @triton.jit
@@ -235,6 +236,8 @@ def _norm_pairs_kernel(
     lhs_ptr,
     rhs_ptr,
     lb_ptr,
+    part_ptr,
+    tickets_ptr,
     out_ptr,
     N,
     R,
@@ -248,47 +251,63 @@ def _norm_pairs_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    SPLIT_R: tl.constexpr,
     DOT_FP32: tl.constexpr,
 ):
-    """n_i = sqrt(max(base_sq_i + Σ_j B_ij (2s·U_ij + s²·(BG)_ij), 0)) for a block of rows,
-    with (BG)_ij = Σ_k lhs_ik (rhs_kj + rhs_k(R+j)): ``bg_bf16x3``'s operands (lhs [N, KL] bf16,
-    B or [B_hi | B_lo]; rhs [KL, 2R] bf16, [G_hi | G_lo] or [[G_hi, G_lo], [G_hi, 0]]; unit
-    column strides), both halves' products accumulated in fp32 in one tile. U is fp32 with
-    unit column stride; lb is B as the layer holds it (the reduction's own factor)."""
+    """n_i = sqrt(max(base_sq_i + Σ_j B_ij (2s·U_ij + s²·(BG)_ij), 0)), program (i, j) taking
+    row block i and column block j of the sum, with (BG)_ij = Σ_k lhs_ik (rhs_kj + rhs_k(R+j)):
+    ``bg_bf16x3``'s operands (lhs [N, KL] bf16, B or [B_hi | B_lo]; rhs [KL, 2R] bf16,
+    [G_hi | G_lo] or [[G_hi, G_lo], [G_hi, 0]]; unit column strides), both halves' products
+    accumulated in fp32 in one tile. U is fp32 with unit column stride; lb is B as the layer
+    holds it (the reduction's own factor). ``SPLIT_R`` (more than one column block): each
+    program stores its partial [rows] in part [col blocks, N] and takes a ticket; the last of
+    a row block adds the partials up in column order (kernels/workspace.py) and writes n."""
     # Scalars arrive as fp64 when Inductor launches the kernel: keep the math in fp32.
     s = tl.cast(s, tl.float32)
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    pid_m, pid_j = tl.program_id(0), tl.program_id(1)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     mask_m = rows < N
-    acc = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    for j0 in range(0, R, BLOCK_R):
-        js = j0 + tl.arange(0, BLOCK_R)
-        mask_j = js < R
-        bg = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-        for k0 in range(0, KL, BLOCK_K):
-            ks = k0 + tl.arange(0, BLOCK_K)
-            mask_k = ks < KL
-            lhs = tl.load(
-                lhs_ptr + rows[:, None] * stride_ln + ks[None, :],
-                mask=mask_m[:, None] & mask_k[None, :],
-                other=0.0,
-            )
-            at = rhs_ptr + ks[:, None] * stride_rk + js[None, :]
-            mask_kj = mask_k[:, None] & mask_j[None, :]
-            hi = tl.load(at, mask=mask_kj, other=0.0)
-            lo = tl.load(at + R, mask=mask_kj, other=0.0)
-            if DOT_FP32:  # the interpreter (common.dot_fp32): exact upcasts of bf16 values
-                lhs, hi, lo = lhs.to(tl.float32), hi.to(tl.float32), lo.to(tl.float32)
-            # "ieee" matters only to those fp32 upcasts; bf16 products are exact either way
-            bg = tl.dot(lhs, hi, bg, input_precision="ieee")
-            bg = tl.dot(lhs, lo, bg, input_precision="ieee")
-        mask = mask_m[:, None] & mask_j[None, :]
-        b = tl.load(
-            lb_ptr + rows[:, None] * stride_bn + js[None, :] * stride_br, mask=mask, other=0.0
-        ).to(tl.float32)
-        u = tl.load(u_ptr + rows[:, None] * stride_un + js[None, :], mask=mask, other=0.0)
-        acc += tl.sum(b * (2.0 * s * u + s * s * bg), axis=1)
-    base_sq = tl.load(base_sq_ptr + rows, mask=mask_m, other=0.0).to(tl.float32)
-    tl.store(out_ptr + rows, tl.sqrt(tl.maximum(base_sq + acc, 0.0)), mask=mask_m)
+    js = pid_j * BLOCK_R + tl.arange(0, BLOCK_R)
+    mask_j = js < R
+    bg = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    for k0 in range(0, KL, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        mask_k = ks < KL
+        lhs = tl.load(
+            lhs_ptr + rows[:, None] * stride_ln + ks[None, :],
+            mask=mask_m[:, None] & mask_k[None, :],
+            other=0.0,
+        )
+        at = rhs_ptr + ks[:, None] * stride_rk + js[None, :]
+        mask_kj = mask_k[:, None] & mask_j[None, :]
+        hi = tl.load(at, mask=mask_kj, other=0.0)
+        lo = tl.load(at + R, mask=mask_kj, other=0.0)
+        if DOT_FP32:  # the interpreter (common.dot_fp32): exact upcasts of bf16 values
+            lhs, hi, lo = lhs.to(tl.float32), hi.to(tl.float32), lo.to(tl.float32)
+        # "ieee" matters only to those fp32 upcasts; bf16 products are exact either way
+        bg = tl.dot(lhs, hi, bg, input_precision="ieee")
+        bg = tl.dot(lhs, lo, bg, input_precision="ieee")
+    mask = mask_m[:, None] & mask_j[None, :]
+    b = tl.load(
+        lb_ptr + rows[:, None] * stride_bn + js[None, :] * stride_br, mask=mask, other=0.0
+    ).to(tl.float32)
+    u = tl.load(u_ptr + rows[:, None] * stride_un + js[None, :], mask=mask, other=0.0)
+    acc = tl.sum(b * (2.0 * s * u + s * s * bg), axis=1)
+    if SPLIT_R:
+        blocks = tl.num_programs(1)
+        tl.store(part_ptr + pid_j * N + rows, acc, mask=mask_m)
+        tl.debug_barrier()
+        ticket = tl.atomic_add(tickets_ptr + pid_m, 1, sem="acq_rel")
+        if ticket == blocks - 1:
+            acc = tl.zeros((BLOCK_M,), dtype=tl.float32)
+            for j in range(0, blocks):
+                acc += tl.load(part_ptr + j * N + rows, mask=mask_m, other=0.0)
+            base_sq = tl.load(base_sq_ptr + rows, mask=mask_m, other=0.0).to(tl.float32)
+            tl.store(out_ptr + rows, tl.sqrt(tl.maximum(base_sq + acc, 0.0)), mask=mask_m)
+            tl.store(tickets_ptr + pid_m, 0)
+    else:
+        base_sq = tl.load(base_sq_ptr + rows, mask=mask_m, other=0.0).to(tl.float32)
+        tl.store(out_ptr + rows, tl.sqrt(tl.maximum(base_sq + acc, 0.0)), mask=mask_m)
 
 
 _launch_norm_pairs = Launcher(_norm_pairs_kernel)
@@ -394,8 +413,10 @@ def _pair_operands(lora_B: torch.Tensor, G: torch.Tensor) -> tuple[torch.Tensor,
 
 
 def _assemble_by_pairs(base_sq, U, lora_B, G, scaling, out, blocks=None):
-    """The ``"pairs"`` assembly: G (and a non-bf16 B) split into bf16 pairs, then one kernel.
-    ``blocks``: (BLOCK_M, BLOCK_R, BLOCK_K, warps, stages), default ``config.NORM_PAIRS``."""
+    """The ``"pairs"`` assembly: G (and a non-bf16 B) split into bf16 pairs, then one kernel
+    over row blocks × column blocks of the sum (the column blocks give small layers enough
+    programs). ``blocks``: (BLOCK_M, BLOCK_R, BLOCK_K, warps, stages), default
+    ``config.NORM_PAIRS``."""
     N, R = lora_B.shape
     U = U.contiguous()
     lhs, rhs = _pair_operands(lora_B, G)
@@ -404,13 +425,22 @@ def _assemble_by_pairs(base_sq, U, lora_B, G, scaling, out, blocks=None):
     bm = config.interp_small(bm)
     br = max(16, min(config.interp_small(br), next_pow2(R)))
     bk = max(16, min(config.interp_small(bk), next_pow2(lhs.shape[1])))
+    grid = (cdiv(N, bm), cdiv(R, br))
+    split = grid[1] > 1
+    if split:
+        part = torch.empty((grid[1], N), dtype=torch.float32, device=U.device)
+        tickets = ticket_counters(U.device, grid[0])
+    else:  # placeholders the kernel never reads
+        part = tickets = out
     _launch_norm_pairs(
-        (cdiv(N, bm),),
+        grid,
         base_sq,
         U,
         lhs,
         rhs,
         lora_B,
+        part,
+        tickets,
         out,
         N,
         R,
@@ -424,6 +454,7 @@ def _assemble_by_pairs(base_sq, U, lora_B, G, scaling, out, blocks=None):
         BLOCK_M=bm,
         BLOCK_R=br,
         BLOCK_K=bk,
+        SPLIT_R=split,
         DOT_FP32=dot_fp32(lhs.dtype),
         num_warps=warps,
         num_stages=stages,

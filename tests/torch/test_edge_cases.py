@@ -135,6 +135,7 @@ def test_bf16x3_assemblies_norm_within_their_bound(r, method, b_dtype):
     same products in registers) against float64: the norm moves by at most what the B·G bound
     allows (each sums both halves)."""
     from dora_torch.kernels.norm import assemble_norm
+    from dora_torch.kernels.workspace import ticket_counters
     from dora_torch.norm import cross_terms, gram
 
     _, W, A, B, _, _, s = random_case_tensors(7, d_in=45, d_out=37, r=r)
@@ -154,6 +155,8 @@ def test_bf16x3_assemblies_norm_within_their_bound(r, method, b_dtype):
     # the same bf16 products as the gemm's, in another order of fp32 sums
     gemm = assemble_norm(base_sq, U, B, G, s, method="gemm", bf16x3=True).double()
     np.testing.assert_allclose(got.numpy(), gemm.numpy(), rtol=1e-6)
+    # the pairs kernel's finishers (r > 16: several column blocks here) leave tickets at zero
+    assert not ticket_counters(U.device, 64).any()
 
 
 def test_pairs_assembly_needs_a_16_bit_layer(monkeypatch):
