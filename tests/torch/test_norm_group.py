@@ -196,7 +196,7 @@ def _train(model, x, steps, opt_kind="fused"):
 
 
 @gpu
-@pytest.mark.parametrize("assembly", ["kernel", "gemm"])  # the gemm's cuBLAS call, captured
+@pytest.mark.parametrize("assembly", ["kernel", "gemm", "pairs"])  # cuBLAS, tickets: captured
 @pytest.mark.parametrize("adapter_dtype", [None, torch.bfloat16])
 def test_graph_replay_matches_layer_by_layer_on_gpu(monkeypatch, adapter_dtype, assembly):
     monkeypatch.setattr(config, "NORM_ASSEMBLY", assembly)
