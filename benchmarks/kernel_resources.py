@@ -193,10 +193,28 @@ def lora_gemm_compose_resources(cfg, *, has_bias: bool, dropout: bool, store_inn
     )
 
 
+def norm_pairs_resources(blocks, *, split: bool) -> Resources:
+    """The pairs norm assembly (``kernels/norm._norm_pairs_kernel``) at one blocks tuple of
+    ``config.NORM_PAIRS``'s form, its column blocks summed by a ticket finisher or not."""
+    from dora_torch.kernels import norm
+
+    bm, br, bk, warps, stages = blocks
+    return resources(
+        norm._norm_pairs_kernel,
+        {"BLOCK_M": bm, "BLOCK_R": br, "BLOCK_K": bk, "SPLIT_R": split, "DOT_FP32": False},
+        fp32_pointers=("base_sq_ptr", "u_ptr", "lb_ptr", "part_ptr", "out_ptr"),
+        int32_pointers=("tickets_ptr",),
+        floats=("s",),
+        num_warps=warps,
+        num_stages=stages,
+    )
+
+
 def rows(all_candidates: bool) -> list[dict]:
     """One row per kernel, config and flag set: config.BWD's (or every candidate's) pass for
-    every valid flag set (recover mode has no bias, so no dbias), the compose, and the
-    epilogue GEMM at the two tiles ``config.lora_gemm_config`` picks (or every candidate)."""
+    every valid flag set (recover mode has no bias, so no dbias), the compose, the epilogue
+    GEMM at the two tiles ``config.lora_gemm_config`` picks (or every candidate), and the
+    pairs norm assembly at ``config.NORM_PAIRS`` with and without its ticket finisher."""
     from dora_torch import config
 
     out = []
@@ -226,6 +244,10 @@ def rows(all_candidates: bool) -> list[dict]:
             out.append({"kernel": "lora_gemm_compose", "candidate": i,
                         "num_warps": cfg.num_warps, **flags,
                         **asdict(got)})  # fmt: skip
+    for split in (False, True):
+        got = norm_pairs_resources(config.NORM_PAIRS, split=split)
+        out.append({"kernel": "norm_pairs", "num_warps": config.NORM_PAIRS[3], "split": split,
+                    **asdict(got)})  # fmt: skip
     return out
 
 

@@ -41,6 +41,7 @@ def test_every_flag_set_of_the_default_pass_and_the_compose_is_compiled(rows):
     assert len(passes) == len(flags) == 6 and (True, False, True) not in flags
     assert sum(r["kernel"] == "compose" for r in rows) == 2
     assert sum(r["kernel"] == "lora_gemm_compose" for r in rows) == 16
+    assert sum(r["kernel"] == "norm_pairs" for r in rows) == 2
 
 
 def test_streaming_kernels_neither_spill_nor_reach_the_register_ceiling(rows):
@@ -70,3 +71,13 @@ def test_the_epilogue_gemm_never_spills_in_a_form_its_tile_rule_picks(rows, monk
             picked += 1
             assert r["stack_bytes"] == 0, r
     assert picked == 2 + 8  # square: with and without bias; narrow: all eight forms
+
+
+def test_the_pairs_norm_assembly_compiles_for_hopper_without_spills(rows):
+    """The pairs kernel at ``config.NORM_PAIRS`` lowers for sm_90 (its bf16 dots, atomics and
+    barrier, which the interpreter does not compile) with and without the ticket finisher."""
+    pairs = [r for r in rows if r["kernel"] == "norm_pairs"]
+    assert sorted(r["split"] for r in pairs) == [False, True]
+    for r in pairs:
+        assert r["stack_bytes"] == 0, r
+        assert r["registers"] < REGISTER_CEILING, r
