@@ -422,6 +422,7 @@ def _assemble_by_pairs(base_sq, U, lora_B, G, scaling, out, blocks=None):
     U = U.contiguous()
     lhs, rhs = _pair_operands(lora_B, G)
     lhs = lhs.contiguous()
+    check_launchable(lhs)  # [N, 2r] for a split B: twice U's elements
     bm, br, bk, warps, stages = config.NORM_PAIRS if blocks is None else blocks
     bm = config.interp_small(bm)
     br = max(16, min(config.interp_small(br), next_pow2(R)))
