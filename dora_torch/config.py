@@ -100,20 +100,21 @@ LORA_GEMM_CANDIDATES = (
     GemmConfig(128, 128, 8, 4, 4),
     GemmConfig(64, 128, 8, 4, 4),
     GemmConfig(128, 128, 8, 4, 3, prefetch_base=True),
+    GemmConfig(128, 128, 8, 4, 3),
 )
 #: The tile for small ranks, few tiles, a stored inner and dropout.
 LORA_GEMM_NARROW = LORA_GEMM_CANDIDATES[4]
-#: The tile for large ranks: 128², 4 warps, the base tile loaded before the K loop.
-LORA_GEMM_SQUARE = LORA_GEMM_CANDIDATES[5]
+#: The tile for large ranks: 128², 4 warps, 3 stages.
+LORA_GEMM_SQUARE = LORA_GEMM_CANDIDATES[6]
 _INTERPRETER_GEMM = GemmConfig(16, 32, 4, 1, 1)
 
 
 #: Tile count (of LORA_GEMM_SQUARE) from which the large-rank tile fills the H200's 132 SMs
 #: twice over.
 LORA_GEMM_SQUARE_MIN_TILES = 264
-#: Rank from which the large-rank tile may win: at r = 16 the narrow one is faster (run 159:
-#: the square tile 1.03-1.18× at r = 16, 0.86-0.94× at r = 384 with enough tiles; r = 128
-#: and 256 were not swept).
+#: Rank from which the large-rank tile may win: at r = 16 the narrow one is faster (run 159,
+#: the square tile in its prefetching form 1.03-1.18× at r = 16, 0.86-0.94× at r = 384 with
+#: enough tiles; r = 128 and 256 were not swept).
 LORA_GEMM_SQUARE_MIN_RANK = 256
 
 
@@ -123,15 +124,17 @@ def lora_gemm_config(
     """The epilogue GEMM's tiles for y [M, N] = compose(h [M, r] · Bᵀ), from the H200 sweeps.
 
     Run 159 (``results/kernel_tiles_run159.csv``, device time of graph replays): at r = 384
-    the square tile with the base prefetch (``LORA_GEMM_SQUARE``) took 0.86-0.94× the time of
-    the tile chosen before at the bench model's widths with ≥ 264 tiles (T = 2048 and 8192,
-    d_out = 4096 and 14336, and 8192 × 1024), against the wide tile's 0.87-1.00×; with fewer
-    tiles (2048 × 1024: 128) it lost (1.05×) and the narrow tile stays. At r = 16 the narrow
-    tile (64×128, 4 warps, 4 stages) is within 4% of every candidate and 3-95% faster than
-    the square ones. When the epilogue stores inner (a layer with a bias or dropout, in
-    training) or applies dropout, the narrow tile serves: the wide tile spilled there and
-    lost by 1.6-4.5% (inner stored) and 1.6-1.7× (dropout, run 52); those forms were not
-    swept with the square tile.
+    the square tile with the base prefetch took 0.86-0.94× the time of the tile chosen before
+    at the bench model's widths with ≥ 264 tiles (T = 2048 and 8192, d_out = 4096 and 14336,
+    and 8192 × 1024), against the wide tile's 0.87-1.00×; with fewer tiles (2048 × 1024: 128)
+    it lost (1.05×) and the narrow tile stays. Run 160 (``kernel_tiles_run160.csv``): the
+    same tile without the prefetch (``LORA_GEMM_SQUARE``) took 0.969-0.992× the prefetching
+    one's time at those five shapes, at 248 registers instead of 255 (``kernel_resources``).
+    At r = 16 the narrow tile (64×128, 4 warps, 4 stages) is within 4% of every candidate and
+    3-95% faster than the square ones. When the epilogue stores inner (a layer with a bias
+    or dropout, in training) or applies dropout, the narrow tile serves: the wide tile
+    spilled there and lost by 1.6-4.5% (inner stored) and 1.6-1.7× (dropout, run 52); those
+    forms were not swept with the square tile.
     """
     if interpreting():
         return _INTERPRETER_GEMM

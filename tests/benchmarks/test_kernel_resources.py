@@ -53,7 +53,7 @@ def test_streaming_kernels_neither_spill_nor_reach_the_register_ceiling(rows):
 
 
 def test_the_epilogue_gemm_never_spills_in_a_form_its_tile_rule_picks(rows, monkeypatch):
-    """``config.lora_gemm_config`` gives the square prefetching tile only without a stored
+    """``config.lora_gemm_config`` gives the square tile only without a stored
     inner and without dropout, where it must not spill; the narrow tile serves every form.
     The register ceiling is not checked here: a tile at it may still be the fastest (the
     wide tile was, at r = 384 in run 52)."""

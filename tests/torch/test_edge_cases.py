@@ -350,12 +350,13 @@ def test_fused_on_cpu_without_interpreter_is_refused(monkeypatch):
 
 
 def test_epilogue_gemm_tile_rule(monkeypatch):
-    """The square prefetching tile only where the H200 sweep had it win: a rank from
+    """The square tile only where the H200 sweeps had it win: a rank from
     LORA_GEMM_SQUARE_MIN_RANK, enough tiles, no stored inner and no dropout; the narrow one
     for a stored inner or dropout, small ranks and few tiles."""
     monkeypatch.setattr(config, "_INTERPRETING", False)
     square, narrow = config.LORA_GEMM_SQUARE, config.LORA_GEMM_NARROW
-    assert square.prefetch_base and not narrow.prefetch_base
+    assert (square.block_m, square.block_n, square.num_warps) == (128, 128, 4)
+    assert square != narrow
     big_r = config.LORA_GEMM_SQUARE_MIN_RANK
     assert config.lora_gemm_config(2048, 4096, big_r) == square  # 512 tiles
     assert config.lora_gemm_config(2048, 4096, big_r - 1) == narrow
