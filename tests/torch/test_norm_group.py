@@ -22,11 +22,12 @@ gpu = pytest.mark.gpu
 DEVICE = "cpu" if config.interpreting() or not torch.cuda.is_available() else "cuda"
 
 
-def _model(device=DEVICE, dtype=torch.float32, adapter_dtype=None, seed=0):
+def _model(device=DEVICE, dtype=torch.float32, adapter_dtype=None, seed=0, r=4):
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(24, 32), nn.GELU(), nn.Linear(32, 40), nn.GELU(),
                           nn.Linear(40, 16)).to(device, dtype)  # fmt: skip
-    inject(model, target_modules=["0", "2", "4"], r=4, lora_alpha=8, adapter_dtype=adapter_dtype)
+    inject(model, target_modules=["0", "2", "4"], r=r, lora_alpha=2 * r,
+           adapter_dtype=adapter_dtype)  # fmt: skip
     layers = list(dora_layers(model).values())
     with torch.no_grad():
         for layer in layers:
@@ -196,16 +197,19 @@ def _train(model, x, steps, opt_kind="fused"):
 
 
 @gpu
-@pytest.mark.parametrize("assembly", ["kernel", "gemm", "pairs"])  # cuBLAS, tickets: captured
+# the gemm's cuBLAS call captured; "pairs" at r = 40 with 16-column blocks: its tickets and
+# partials are allocated and zeroed inside the captured graph
+@pytest.mark.parametrize(("assembly", "r"), [("kernel", 4), ("gemm", 4), ("pairs", 40)])
 @pytest.mark.parametrize("adapter_dtype", [None, torch.bfloat16])
-def test_graph_replay_matches_layer_by_layer_on_gpu(monkeypatch, adapter_dtype, assembly):
+def test_graph_replay_matches_layer_by_layer_on_gpu(monkeypatch, adapter_dtype, assembly, r):
     monkeypatch.setattr(config, "NORM_ASSEMBLY", assembly)
+    monkeypatch.setattr(config, "NORM_PAIRS", (16, 16, 16, 4, 2))  # 3 column blocks at r = 40
     x = torch.randn(512, 24, device="cuda", dtype=torch.bfloat16)
-    ref_model, _ = _model("cuda", torch.bfloat16, adapter_dtype)
+    ref_model, _ = _model("cuda", torch.bfloat16, adapter_dtype, r=r)
     monkeypatch.setattr(config, "NORM_GROUP_GRAPHS", False)
     want_losses, want_params = _train(ref_model, x, 5)
     monkeypatch.setattr(config, "NORM_GROUP_GRAPHS", True)
-    model, layers = _model("cuda", torch.bfloat16, adapter_dtype)
+    model, layers = _model("cuda", torch.bfloat16, adapter_dtype, r=r)
     losses, params = _train(model, x, 5)
     group = layers[0]._dora_norm_cache.group
     assert group.captures == 1 and group.replays >= 3
