@@ -134,3 +134,18 @@ def test_the_memory_target_run_has_its_rows():
     lora = wf.model_peak_gib(csv_name, "peft_lora_bf16", r, batch)
     ours = wf.model_peak_gib(csv_name, "ours_bf16", r, batch)
     assert ours - lora == pytest.approx(wf.kept_bytes(batch * 2048) / wf.GIB, abs=0.01)
+
+
+def test_the_measured_kernel_floor_reads_its_cited_runs():
+    """The reduce-overhead r = 384 floor from measured kernels: the cited files hold the rows
+    it needs, and the floor is LoRA's step plus those kernel times."""
+    runs = wf.MEASURED_FLOOR_RUNS
+    steps = wf.step_medians(runs["step"])
+    assert {"peft_lora", "ours"} <= set(steps)
+    gemms = wf.norm_gemms_ms(runs["norm_gemms"])
+    assert gemms == {"U": 2.418, "G": 0.724}  # run 63's per-step lines
+    copy = wf.assembly_copy_ms(runs["assembly_copy"])
+    assert 0.3 < copy < 0.5  # 16 · 4.8 + 24 · 4.8 + 16 · 11.5 µs in run 160
+    assert wf.measured_kernel_floor(40.0, 3.0, 1.0) == pytest.approx(1.1)
+    floor = wf.measured_kernel_floor(steps["peft_lora"], gemms["U"] + gemms["G"], copy)
+    assert 1.0 < floor < steps["ours"] / steps["peft_lora"]
