@@ -115,6 +115,25 @@ def assembly_method(r: int, bf16x3: bool = False) -> str:
     return "gemm" if exact and r >= config.NORM_GEMM_MIN_RANK else "kernel"
 
 
+def resolve_method(method: str | None, r: int, bf16x3: bool) -> str:
+    """The assembly ("kernel", "gemm" or "pairs") a layer of rank r runs: ``method``, or
+    ``config.NORM_ASSEMBLY`` when None, with "auto" resolved by ``assembly_method``. "pairs"
+    needs a 16-bit layer (``bf16x3``): asked for explicitly elsewhere it raises; set in config
+    it leaves such a layer to "auto"."""
+    explicit = method is not None
+    method = method if explicit else config.NORM_ASSEMBLY
+    if method not in ASSEMBLY_METHODS:
+        raise ValueError(f"method must be one of {ASSEMBLY_METHODS}; got {method!r}")
+    if method == "pairs" and not bf16x3:
+        if explicit:
+            raise ValueError(
+                "method='pairs' forms B·G from bf16 pairs, within the error bound of a 16-bit "
+                "layer only: it needs bf16x3=True (a 16-bit W)"
+            )
+        method = "auto"
+    return assembly_method(r, bf16x3) if method == "auto" else method
+
+
 def assemble_norm(
     base_sq: torch.Tensor,
     U: torch.Tensor,
@@ -133,22 +152,10 @@ def assemble_norm(
     "pairs" always does, so it needs ``bf16x3`` (``config.NORM_ASSEMBLY = "pairs"`` leaves
     other layers to "auto"). ``pairs_blocks``: the pairs kernel's (BLOCK_M, BLOCK_R,
     BLOCK_K, warps, stages) instead of ``config.NORM_PAIRS`` (benchmarks)."""
-    chosen = config.NORM_ASSEMBLY if method is None else method
-    if chosen not in ASSEMBLY_METHODS:
-        raise ValueError(f"method must be one of {ASSEMBLY_METHODS}; got {chosen!r}")
-    if chosen == "pairs" and not bf16x3:
-        if method is not None:
-            raise ValueError(
-                "method='pairs' forms B·G from bf16 pairs, within the error bound of a 16-bit "
-                "layer only: it needs bf16x3=True (a 16-bit W)"
-            )
-        chosen = "auto"
-    method = chosen
+    N, R = lora_B.shape
+    method = resolve_method(method, R, bf16x3)
     check_launchable(U)
     (base_sq,) = unit_stride(base_sq)
-    N, R = lora_B.shape
-    if method == "auto":
-        method = assembly_method(R, bf16x3)
     out = torch.empty(N, dtype=torch.float32, device=U.device)
     if N == 0:
         return out

@@ -24,7 +24,7 @@ import triton.language as tl
 from .. import config
 from .common import cdiv, check_launchable, dot_fp32, dot_precision, next_pow2, unit_stride
 from .launch import Launcher
-from .norm import assembly_method
+from .norm import resolve_method
 
 
 @triton.jit
@@ -111,10 +111,7 @@ def norm_pass_applies(weight: torch.Tensor, r: int) -> bool:
         return False
     if not (weight.is_cuda or config.interpreting()):
         return False
-    method, bf16x3 = config.NORM_ASSEMBLY, weight.dtype != torch.float32
-    if method == "auto" or (method == "pairs" and not bf16x3):
-        method = assembly_method(r, bf16x3)
-    return method == "kernel"
+    return resolve_method(None, r, weight.dtype != torch.float32) == "kernel"
 
 
 def norm_pass(
