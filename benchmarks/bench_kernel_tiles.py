@@ -8,8 +8,8 @@ limits (192 FLOP/byte against a ridge of ~200), so neither alone sets its time. 
 compiled r = 384 step (run 158's profile) it took 83.5 µs per gate/up call (T = 2048,
 d_out = 14336) and 27 µs per q/o/down call, 2.5-3.4× what either limit allows. Forms:
 ``chosen`` (``config.lora_gemm_config``); every ``COMPOSE_CANDIDATES`` entry
-(``config.GemmConfig``: tile, warps, stages, K block, ``prefetch_base``: the base tile loaded
-before the K loop, so its read overlaps the product); ``cublas_addmm`` (``addmm(base, h, Bᵀ,
+(``config.GemmConfig``: tile, group, warps, stages, K block; runs 159-160 also timed forms
+that loaded the base tile before the K loop, since removed); ``cublas_addmm`` (``addmm(base, h, Bᵀ,
 alpha=s)``, LoRA's fused form of the product); ``copy`` (base into y: the bytes alone).
 
 **scale_reduce** (``kernels/backward._scale_reduce_kernel``, recover mode as in a layer
@@ -55,7 +55,7 @@ from benchmarks.measure import paired_ratio, write_csv
 from dora_torch import config
 from dora_torch.kernels.backward import scale_reduce
 from dora_torch.kernels.compose import compose_forward
-from dora_torch.kernels.norm import assemble_norm
+from dora_torch.kernels.norm import assemble_norm, assembly_method
 
 #: A probe with its own command line: ``make gpu`` (benchmarks/run.py) skips it.
 IN_MAKE_GPU = False
@@ -67,29 +67,19 @@ G = config.GemmConfig
 COMPOSE_CANDIDATES = {
     "narrow": G(64, 128, 8, 4, 4),
     "wide": G(128, 256, 8, 8, 3),
-    "narrow_pf": G(64, 128, 8, 4, 4, prefetch_base=True),
     "narrow_k128": G(64, 128, 8, 4, 3, block_k=128),
-    "narrow_k128_pf": G(64, 128, 8, 4, 3, block_k=128, prefetch_base=True),
     "sq128_w8": G(128, 128, 8, 8, 3),
-    "sq128_w8_pf": G(128, 128, 8, 8, 3, prefetch_base=True),
-    "sq128_w4_pf": G(128, 128, 8, 4, 3, prefetch_base=True),
     "sq128_w8_k128": G(128, 128, 8, 8, 2, block_k=128),
-    "sq128_w8_k128_pf": G(128, 128, 8, 8, 2, block_k=128, prefetch_base=True),
-    "n256_w8_pf": G(64, 256, 8, 8, 3, prefetch_base=True),
     "wide_k128": G(128, 256, 8, 8, 2, block_k=128),
     "tall": G(256, 128, 8, 8, 3),
-    "n64_pf": G(128, 64, 8, 4, 4, prefetch_base=True),
-    # around the square prefetching tile (run 159's r = 384 winner): stages, group, no prefetch
+    # around the square tile (config.LORA_GEMM_SQUARE, runs 159-160): stages and group
     "sq128_w4": G(128, 128, 8, 4, 3),
-    "sq128_w4_pf_s2": G(128, 128, 8, 4, 2, prefetch_base=True),
-    "sq128_w4_pf_s4": G(128, 128, 8, 4, 4, prefetch_base=True),
-    "sq128_w4_pf_g4": G(128, 128, 4, 4, 3, prefetch_base=True),
-    "sq128_w4_pf_g16": G(128, 128, 16, 4, 3, prefetch_base=True),
-    # larger tiles read fewer h and B bytes from L2 per output (NOTES session 35)
-    "wide_pf": G(128, 256, 8, 8, 3, prefetch_base=True),
-    "tall_pf": G(256, 128, 8, 8, 3, prefetch_base=True),
+    "sq128_w4_s2": G(128, 128, 8, 4, 2),
+    "sq128_w4_s4": G(128, 128, 8, 4, 4),
+    "sq128_w4_g4": G(128, 128, 4, 4, 3),
+    "sq128_w4_g16": G(128, 128, 16, 4, 3),
 }
-TINY_COMPOSE = ("narrow", "narrow_pf")
+TINY_COMPOSE = ("narrow", "narrow_k128")
 #: (BLOCK_M, BLOCK_R, BLOCK_K, warps, stages) of the pairs assembly's kernel.
 NORM_PAIRS_CANDIDATES = {
     "pairs_m128_w8": (128, 64, 64, 8, 3),
@@ -110,7 +100,8 @@ KERNELS = ("compose", "scale_reduce", "norm")
 
 class Operands:
     """h [T, r], B [d_out, r], base [T, d_out] (and its pristine copy), m and n with g ≈ 1;
-    dy and y [T, d_out] for the scale-and-reduce pass."""
+    dy and y [T, d_out] for the scale-and-reduce pass; the norm's fp32 U [d_out, r] (and a
+    buffer to copy it into), G [r, r] and ‖W‖² [d_out]."""
 
     def __init__(self, tokens, d_out, r, *, dtype, device, seed=0):
         gen = torch.Generator(device="cpu").manual_seed(seed)
@@ -198,11 +189,19 @@ def rel_diff(kernel: str, o: Operands, name: str) -> float:
 
 
 def _chosen(kernel: str, tokens: int, d_out: int, rank: int):
+    """What the library runs at this shape: a tile config, or for the norm the form name of
+    the method "auto" resolves to."""
     if kernel == "compose":
         return config.lora_gemm_config(tokens, d_out, rank)
     if kernel == "norm":
-        return None  # "auto": a method, not blocks
+        return assembly_method(rank, bf16x3=True)
     return config.BWD
+
+
+def _is_chosen(kernel: str, name: str, cfg, chosen) -> bool:
+    if kernel == "norm":  # "pairs" runs config.NORM_PAIRS' blocks; its candidates do not
+        return name in ("chosen", chosen)
+    return cfg == chosen
 
 
 def run(*, tiny: bool, kernels, ranks, tokens_list, rounds: int, per_round: int) -> list[dict]:
@@ -235,14 +234,15 @@ def run(*, tiny: bool, kernels, ranks, tokens_list, rounds: int, per_round: int)
                     )
                     chosen = _chosen(kernel, tokens, d_out, rank)
                     for n in forms:
-                        cfg = candidates(kernel).get(n, chosen if n == "chosen" else None)
+                        fallback = chosen if n == "chosen" and kernel != "norm" else None
+                        cfg = candidates(kernel).get(n, fallback)
                         if kernel == "norm" and cfg is not None:  # a blocks tuple
                             cfg = NormBlocks(*cfg)
                         rows.append({**head, "form": n, "us": statistics.median(times[n]),
                                      "ratio_to_chosen": paired_ratio(times, n, "chosen"),
                                      "max_rel_diff": diffs.get(n, 0.0 if n == "chosen" else None),
                                      "per_step": per_layer * LAYERS,
-                                     "is_chosen": cfg == chosen,
+                                     "is_chosen": _is_chosen(kernel, n, cfg, chosen),
                                      **_fields(cfg)})  # fmt: skip
                         _print(rows[-1])
                     del o, calls

@@ -71,3 +71,13 @@ def test_the_tiny_run_reports_every_candidate(tmp_path):
 def test_candidates_are_distinct_configs(kernel):
     configs = list(kt.candidates(kernel).values())
     assert len(set(configs)) == len(configs)
+
+
+def test_only_the_form_the_library_runs_is_marked_chosen():
+    assert kt._chosen("norm", 2048, 4096, 384) == "gemm"  # "auto" at r = 384, 16-bit layer
+    marked = [n for n in ("chosen", *kt.NORM_FORMS, "copy")
+              if kt._is_chosen("norm", n, kt.candidates("norm").get(n), "gemm")]  # fmt: skip
+    assert marked == ["chosen", "gemm"]
+    square = kt.config.LORA_GEMM_SQUARE
+    assert kt._is_chosen("compose", "sq128_w4", kt.COMPOSE_CANDIDATES["sq128_w4"], square)
+    assert not kt._is_chosen("compose", "copy", None, square)
