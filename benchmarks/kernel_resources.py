@@ -183,7 +183,6 @@ def lora_gemm_compose_resources(cfg, *, has_bias: bool, dropout: bool, store_inn
             "BLOCK_M": cfg.block_m,
             "BLOCK_N": cfg.block_n,
             "GROUP_M": cfg.group_m,
-            "PREFETCH_BASE": cfg.prefetch_base,
         },
         unit_strides=("stride_hk", "stride_lbk", "stride_bn", "stride_yn", "stride_in"),
         fp32_pointers=("m_ptr", "n_ptr"),

@@ -82,9 +82,6 @@ class GemmConfig:
     #: Contraction block over r; the launch caps it at r's next power of two and raises it to
     #: 16 (tl.dot's minimum).
     block_k: int = 64
-    #: Load the tile's base product before the K loop, so its read from memory overlaps the
-    #: h·Bᵀ product instead of following it.
-    prefetch_base: bool = False
 
 
 #: Candidates for the epilogue GEMM (K = r: at small ranks the kernel is bound by the base
@@ -99,13 +96,12 @@ LORA_GEMM_CANDIDATES = (
     GemmConfig(64, 256, 8, 8, 3),
     GemmConfig(128, 128, 8, 4, 4),
     GemmConfig(64, 128, 8, 4, 4),
-    GemmConfig(128, 128, 8, 4, 3, prefetch_base=True),
     GemmConfig(128, 128, 8, 4, 3),
 )
 #: The tile for small ranks, few tiles, a stored inner and dropout.
 LORA_GEMM_NARROW = LORA_GEMM_CANDIDATES[4]
 #: The tile for large ranks: 128², 4 warps, 3 stages.
-LORA_GEMM_SQUARE = LORA_GEMM_CANDIDATES[6]
+LORA_GEMM_SQUARE = LORA_GEMM_CANDIDATES[5]
 _INTERPRETER_GEMM = GemmConfig(16, 32, 4, 1, 1)
 
 
@@ -113,7 +109,7 @@ _INTERPRETER_GEMM = GemmConfig(16, 32, 4, 1, 1)
 #: twice over.
 LORA_GEMM_SQUARE_MIN_TILES = 264
 #: Rank from which the large-rank tile may win: at r = 16 the narrow one is faster (run 159,
-#: the square tile in its prefetching form 1.03-1.18× at r = 16, 0.86-0.94× at r = 384 with
+#: the square tile with its early base load 1.03-1.18× at r = 16, 0.86-0.94× at r = 384 with
 #: enough tiles; r = 128 and 256 were not swept).
 LORA_GEMM_SQUARE_MIN_RANK = 256
 
@@ -124,12 +120,13 @@ def lora_gemm_config(
     """The epilogue GEMM's tiles for y [M, N] = compose(h [M, r] · Bᵀ), from the H200 sweeps.
 
     Run 159 (``results/kernel_tiles_run159.csv``, device time of graph replays): at r = 384
-    the square tile with the base prefetch took 0.86-0.94× the time of the tile chosen before
-    at the bench model's widths with ≥ 264 tiles (T = 2048 and 8192, d_out = 4096 and 14336,
-    and 8192 × 1024), against the wide tile's 0.87-1.00×; with fewer tiles (2048 × 1024: 128)
-    it lost (1.05×) and the narrow tile stays. Run 160 (``kernel_tiles_run160.csv``): the
-    same tile without the prefetch (``LORA_GEMM_SQUARE``) took 0.969-0.992× the prefetching
-    one's time at those five shapes, at 248 registers instead of 255 (``kernel_resources``).
+    a square tile (128², 4 warps) that loaded its base tile before the K loop took 0.86-0.94×
+    the time of the tile chosen before at the bench model's widths with ≥ 264 tiles (T = 2048
+    and 8192, d_out = 4096 and 14336, and 8192 × 1024), against the wide tile's 0.87-1.00×;
+    with fewer tiles (2048 × 1024: 128) it lost (1.05×) and the narrow tile stays. Run 160
+    (``kernel_tiles_run160.csv``): the same tile without that early load
+    (``LORA_GEMM_SQUARE``) took 0.969-0.992× its time at those five shapes, at 248 registers
+    instead of 255 (``kernel_resources``); the early load was removed.
     At r = 16 the narrow tile (64×128, 4 warps, 4 stages) is within 4% of every candidate and
     3-95% faster than the square ones. When the epilogue stores inner (a layer with a bias
     or dropout, in training) or applies dropout, the narrow tile serves: the wide tile

@@ -30,7 +30,6 @@ from .launch import Launcher
 @triton.jit
 def _epilogue(
     lora,  # [BLOCK_M, BLOCK_N] fp32, the adapter product h Bᵀ (unscaled)
-    based_tile,  # the tile of x_d Wᵀ, loaded already when PRELOADED
     rows,
     cols,
     M,
@@ -53,7 +52,6 @@ def _epilogue(
     HAS_BIAS: tl.constexpr,
     DROPOUT: tl.constexpr,
     STORE_INNER: tl.constexpr,
-    PRELOADED: tl.constexpr,
 ):
     mask_n = cols < N
     mask = (rows < M)[:, None] & mask_n[None, :]
@@ -61,10 +59,7 @@ def _epilogue(
     nrm = tl.maximum(tl.load(n_ptr + cols, mask=mask_n, other=1.0).to(tl.float32), eps)
     g = mag / nrm
     boff = rows[:, None] * stride_bm + cols[None, :] * stride_bn
-    if PRELOADED:
-        base_d = based_tile.to(tl.float32)
-    else:
-        base_d = tl.load(based_ptr + boff, mask=mask, other=0.0).to(tl.float32)
+    base_d = tl.load(based_ptr + boff, mask=mask, other=0.0).to(tl.float32)
     inner = base_d + s * lora
     if DROPOUT:
         base = tl.load(base_ptr + boff, mask=mask, other=0.0).to(tl.float32)
@@ -115,14 +110,11 @@ def _lora_gemm_compose_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     GROUP_M: tl.constexpr,
-    PREFETCH_BASE: tl.constexpr,
 ):
     """y = epilogue(h @ Bᵀ) for one [BLOCK_M, BLOCK_N] tile; see the module docstring.
 
     Grouped tile order (GROUP_M row tiles share B column tiles in L2). The K loop runs over
-    r; masked loads pad r up to BLOCK_K ≥ 16 with zeros (tl.dot's minimum). With
-    PREFETCH_BASE the tile of base_d is loaded before the loop (its memory latency then
-    overlaps the product, at the cost of the registers that hold it).
+    r; masked loads pad r up to BLOCK_K ≥ 16 with zeros (tl.dot's minimum).
     """
     # Scalars arrive as fp64 when Inductor launches the kernel: keep the math in fp32.
     s = tl.cast(s, tl.float32)
@@ -141,14 +133,6 @@ def _lora_gemm_compose_kernel(
     mask_m = rows < M
     mask_n = cols < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if PREFETCH_BASE:
-        based_tile = tl.load(
-            based_ptr + rows[:, None] * stride_bm + cols[None, :] * stride_bn,
-            mask=mask_m[:, None] & mask_n[None, :],
-            other=0.0,
-        )
-    else:
-        based_tile = acc  # not read
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         mask_k = ks < K
@@ -168,7 +152,6 @@ def _lora_gemm_compose_kernel(
         acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
     _epilogue(
         acc,
-        based_tile,
         rows,
         cols,
         M,
@@ -191,7 +174,6 @@ def _lora_gemm_compose_kernel(
         HAS_BIAS,
         DROPOUT,
         STORE_INNER,
-        PREFETCH_BASE,
     )
 
 
@@ -234,7 +216,6 @@ def _compose_kernel(
     ).to(tl.float32)
     _epilogue(
         lora,
-        lora,  # no preloaded tile
         rows,
         cols,
         M,
@@ -257,7 +238,6 @@ def _compose_kernel(
         HAS_BIAS,
         DROPOUT,
         STORE_INNER,
-        False,
     )
 
 
@@ -352,7 +332,6 @@ def compose_forward(
             BLOCK_M=cfg.block_m,
             BLOCK_N=cfg.block_n,
             GROUP_M=cfg.group_m,
-            PREFETCH_BASE=cfg.prefetch_base,
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
         )
