@@ -16,6 +16,11 @@ launch replaced by a call that does nothing:
 The kernels' outputs are left as allocated (only the host time is read). The group's
 CUDA-graph replay of the norms needs a GPU, so ``--workload model`` (default) times a
 forward and backward with the norms cached (adapters unchanged), not the optimizer step.
+``--workload train_step`` times what users run: ``zero_grad``, forward, backward and an
+``AdamW(foreach=True)`` step (its hook included), each in its own column. Its forward pays
+the norm group's refresh after each step, which on the CPU computes the members one by one
+(launches as no-ops) where a GPU replays one graph: the group's listing and installing of
+its members are timed as on a GPU, its computation is not.
 ``--workload step_hook`` times the optimizer-step hook alone (``cache._count_step``: every
 cached module's ‖W‖² and norm buffers checked after each step; variants ``ours``,
 ``ours_rev``). ``--workload layer`` times issue 10's one-layer row instead
@@ -38,6 +43,7 @@ rounds for sizes, the profile for names).
     python3 -m benchmarks.host_step_cpu --variants peft_lora ours --rev .rev
     python3 -m benchmarks.host_step_cpu --profile ours --per-round 20
     python3 -m benchmarks.host_step_cpu --workload layer --rev .rev
+    python3 -m benchmarks.host_step_cpu --workload train_step --rev .rev
 """
 
 from __future__ import annotations
@@ -176,8 +182,13 @@ def build(variant: str, layers: int, hidden: int, r: int, rev=None):
     return model.train()
 
 
-def step_fn(model, ids):
-    """One fwd+bwd; returns (forward seconds, backward seconds)."""
+def step_fn(model, ids, optimizer: bool = False):
+    """One fwd+bwd (and, with ``optimizer``, an ``AdamW(foreach=True)`` step over the
+    trainable parameters); returns (forward, backward, optimizer) seconds."""
+    opt = None
+    if optimizer:
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(trainable, lr=1e-4, foreach=True)
 
     def step():
         model.zero_grad(set_to_none=True)
@@ -185,7 +196,10 @@ def step_fn(model, ids):
         loss = model(input_ids=ids).logits.float().square().mean()
         t1 = time.perf_counter()
         loss.backward()
-        return t1 - t0, time.perf_counter() - t1
+        t2 = time.perf_counter()
+        if opt is not None:
+            opt.step()
+        return t1 - t0, t2 - t1, time.perf_counter() - t2
 
     return step
 
@@ -203,7 +217,7 @@ def hook_step_fn(model, ids, package: str):
     def step(model=model):  # the hook's module set is weak: the model must stay alive
         t0 = time.perf_counter()
         hook(None, (), {})
-        return time.perf_counter() - t0, 0.0
+        return time.perf_counter() - t0, 0.0, 0.0
 
     return step
 
@@ -246,13 +260,14 @@ def layer_step_fn(variant: str, d: int, r: int, tokens: int, rev=None):
         y = forward()
         t1 = time.perf_counter()
         y.backward(dy)
-        return t1 - t0, time.perf_counter() - t1
+        return t1 - t0, time.perf_counter() - t1, 0.0
 
     return step
 
 
 def timed_rounds(steps: dict, rounds: int, per_round: int) -> dict[str, list[tuple]]:
-    """Per variant, per round: the mean (forward, backward) seconds of ``per_round`` steps.
+    """Per variant, per round: the mean (forward, backward, optimizer) seconds of
+    ``per_round`` steps.
     Every other round runs the variants in reverse order (a variant's position in a round
     moved its time by up to 5 µs per call in A/A runs)."""
     out = {v: [] for v in steps}
@@ -261,11 +276,10 @@ def timed_rounds(steps: dict, rounds: int, per_round: int) -> dict[str, list[tup
     try:
         for k in range(rounds):
             for v, fn in order if k % 2 == 0 else order[::-1]:
-                fwd = bwd = 0.0
+                total = [0.0, 0.0, 0.0]
                 for _ in range(per_round):
-                    f, b = fn()
-                    fwd, bwd = fwd + f, bwd + b
-                out[v].append((fwd / per_round, bwd / per_round))
+                    total = [t + x for t, x in zip(total, fn(), strict=True)]
+                out[v].append(tuple(t / per_round for t in total))
     finally:
         gc.enable()
     return out
@@ -275,11 +289,11 @@ def summary(times: dict[str, list[tuple]], calls: int, base_variant="peft_lora")
     """Medians in ms, and the excess per adapted layer call over ``base_variant`` in µs."""
     rows = []
     for v, ts in times.items():
-        fwd, bwd = (statistics.median(t[i] for t in ts) for i in (0, 1))
-        rows.append({"variant": v, "fwd_ms": fwd * 1e3, "bwd_ms": bwd * 1e3})
+        fwd, bwd, opt = (statistics.median(t[i] for t in ts) for i in (0, 1, 2))
+        rows.append({"variant": v, "fwd_ms": fwd * 1e3, "bwd_ms": bwd * 1e3, "opt_ms": opt * 1e3})
     base = next((r for r in rows if r["variant"] == base_variant), None)
     for r in rows:
-        for k in ("fwd", "bwd"):
+        for k in ("fwd", "bwd", "opt"):
             extra = None if base is None else (r[f"{k}_ms"] - base[f"{k}_ms"]) * 1e3 / calls
             r[f"{k}_excess_us_per_layer"] = extra
     return rows
@@ -288,6 +302,7 @@ def summary(times: dict[str, list[tuple]], calls: int, base_variant="peft_lora")
 #: Per workload: its variants (the first is the baseline the excess is counted against).
 WORKLOAD_VARIANTS = {
     "model": ("peft_lora", "ours", "peft_dora", "ours_stacked"),
+    "train_step": ("peft_lora", "ours", "peft_dora"),
     "layer": ("lora_eq", "ours", "ours_stacked"),
     "step_hook": ("ours",),
 }
@@ -336,13 +351,14 @@ def main(argv=None) -> list[dict]:
         ap.error(f"--profile {args.profile}: not among the variants {variants}")
     torch.set_num_threads(1)
     with fused_host_path(packages) as launchers:
-        if args.workload == "model":
+        if args.workload in ("model", "train_step"):
             ids = torch.randint(0, 128, (1, args.seq))
             calls = args.layers * len(ADAPTED)
             steps = {
-                v: step_fn(build(v, args.layers, args.hidden, args.rank, rev), ids)
+                v: step_fn(build(v, args.layers, args.hidden, args.rank, rev), ids,
+                           optimizer=args.workload == "train_step")
                 for v in variants
-            }
+            }  # fmt: skip
         elif args.workload == "step_hook":
             ids = torch.randint(0, 128, (1, args.seq))
             calls = args.layers * len(ADAPTED)
@@ -373,6 +389,8 @@ def main(argv=None) -> list[dict]:
     what = {
         "model": f"one fwd+bwd, {args.layers} layers × 7 adapted projections, hidden {args.hidden}",
         "layer": f"one fwd+bwd, one {args.hidden}² layer, norm recomputed per call (ours)",
+        "train_step": f"one training step (zero_grad, fwd, bwd, AdamW foreach), {args.layers} "
+        f"layers × 7 adapted projections, hidden {args.hidden}",
         "step_hook": f"the optimizer-step hook ('fwd' column), {args.layers} layers × 7 adapted "
         "projections",
     }[args.workload]
@@ -381,12 +399,18 @@ def main(argv=None) -> list[dict]:
         f"tier's launches as no-ops; medians of {rounds['rounds']} rounds × "
         f"{rounds['per_round']} steps"
     )
-    print(f"{'variant':<10} {'fwd µs':>9} {'bwd µs':>9}   excess over {variants[0]}, µs per "
-          "layer call")  # fmt: skip
+    opt = args.workload == "train_step"
+    print(f"{'variant':<10} {'fwd µs':>9} {'bwd µs':>9}" + (f" {'opt µs':>9}" if opt else "")
+          + f"   excess over {variants[0]}, µs per layer call")  # fmt: skip
     for r in rows:
-        fx, bx = r["fwd_excess_us_per_layer"], r["bwd_excess_us_per_layer"]
-        extra = "" if fx is None else f"   fwd {fx:+6.1f}  bwd {bx:+6.1f}  sum {fx + bx:+6.1f}"
-        print(f"{r['variant']:<10} {r['fwd_ms'] * 1e3:9.1f} {r['bwd_ms'] * 1e3:9.1f}{extra}")
+        fx, bx, ox = (r[f"{k}_excess_us_per_layer"] for k in ("fwd", "bwd", "opt"))
+        times = f"{r['fwd_ms'] * 1e3:9.1f} {r['bwd_ms'] * 1e3:9.1f}"
+        times += f" {r['opt_ms'] * 1e3:9.1f}" if opt else ""
+        extra = ""
+        if fx is not None:
+            extra = f"   fwd {fx:+6.1f}  bwd {bx:+6.1f}" + (f"  opt {ox:+6.1f}" if opt else "")
+            extra += f"  sum {fx + bx + (ox if opt else 0.0):+6.1f}"
+        print(f"{r['variant']:<10} {times}{extra}")
     return rows
 
 

@@ -241,9 +241,7 @@ def _run(
     if save == ops.SAVE_NONE:  # no autograd bookkeeping at all
         y = ops.forward_core(x2, x_d, w, a, b, magnitude, n, bias, opts, stacked)[0]
     else:
-        y = ops.LinearFunction.apply(
-            x2, x_d, w, lora_A, lora_B, magnitude, n, bias, a, b, stacked, opts
-        )
+        y = ops.apply_linear(x2, x_d, w, lora_A, lora_B, magnitude, n, bias, a, b, stacked, opts)
     if x.dim() != 2:
         if save == ops.SAVE_RECOVER:
             # backward reads y: a real view shares its version counter, so an in-place edit of

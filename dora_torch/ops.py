@@ -14,7 +14,7 @@ cuBLAS GEMMs; "eager": the same algorithm in torch ops) and what is saved for ba
 
 Dynamo traces this Function (forward and backward), and on CUDA it captures the Triton
 launches inside (user-defined Triton kernels), so ``torch.compile(fullgraph=True)`` sees one
-graph; eager calls pay no custom-op dispatch.
+graph; eager calls pay no custom-op dispatch, and enter it through ``apply_linear``.
 
 What is saved for backward (``opts.save``):
   SAVE_NONE     nothing (no gradient needed; ``inner`` is never formed);
@@ -296,3 +296,27 @@ class LinearFunction(torch.autograd.Function):
             None,
             None,
         )
+
+
+#: Autograd's C entry for ``LinearFunction``, the call ``Function.apply`` ends in.
+_C_APPLY = super(torch.autograd.Function, LinearFunction).apply
+
+
+def apply_linear(x, x_d, weight, lora_A, lora_B, magnitude, norm, bias, a, b, stacked, opts):
+    """``LinearFunction.apply(...)`` for ``functional._run``, its arguments in that order.
+
+    Eager calls outside ``torch.func`` transforms go straight to autograd's C entry.
+    ``Function.apply``'s Python costs ~2 µs of host time per layer call
+    (benchmarks/NOTES.md, session 36): a setup-context lookup, and a scan of every argument
+    for wrappers of exited ``torch.func`` levels, which it unwraps. That scan finds none
+    here. Each argument is a dispatcher op's output (x reshaped, its dropout, the casts and
+    products), and dispatcher ops unwrap such wrappers themselves; or it is a module's
+    parameter, or a cache entry. A cache entry computed inside a transform is keyed on that
+    transform's wrappers, so it is never read outside one. Traced code and active transforms
+    take ``Function.apply``.
+    """
+    if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+        return LinearFunction.apply(
+            x, x_d, weight, lora_A, lora_B, magnitude, norm, bias, a, b, stacked, opts
+        )
+    return _C_APPLY(x, x_d, weight, lora_A, lora_B, magnitude, norm, bias, a, b, stacked, opts)

@@ -66,3 +66,18 @@ def test_harness_times_the_step_hook():
     assert "optimizer-step hook" in done.stdout
     row = next(line for line in done.stdout.splitlines() if line.startswith("ours "))
     assert float(row.split()[1]) > 0  # the hook's µs ('fwd' column)
+
+
+def test_harness_times_the_training_step_with_its_optimizer():
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.host_step_cpu", "--workload", "train_step",
+         "--layers", "1", "--rounds", "2", "--per-round", "2", "--variants", "peft_lora", "ours"],
+        env=env, cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "AdamW foreach" in done.stdout and "opt µs" in done.stdout
+    row = next(line for line in done.stdout.splitlines() if line.startswith("ours "))
+    fwd, bwd, opt = (float(v) for v in row.split()[1:4])
+    assert fwd > 0 and bwd > 0 and opt > 0  # the optimizer's own column
+    assert "opt " in row and "sum" in row

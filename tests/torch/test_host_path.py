@@ -177,3 +177,58 @@ def test_linear_options_are_shared_per_value():
     assert a is LinearOptions.of(2.0, "fused", 2)
     assert a == LinearOptions(2.0, "fused", 2)
     assert LinearOptions.of(2.0, "eager", 2) is not a
+
+
+def _grads(layer, x):
+    layer.zero_grad(set_to_none=True)
+    y = layer(x)
+    y.square().sum().backward()
+    params = (layer.lora_A, layer.lora_B, layer.lora_magnitude_vector)
+    return [y.detach()] + [p.grad for p in params]
+
+
+@pytest.mark.parametrize("impl", ["eager", "fused"])
+def test_apply_linear_takes_autograds_c_entry_with_functions_results(monkeypatch, impl):
+    """Eager calls skip ``Function.apply``'s Python (``ops.apply_linear``) and get the same
+    output and gradients as through it, bit for bit."""
+    from dora_torch import ops
+
+    if impl == "fused" and not config.interpreting():
+        pytest.skip("the fused tier on CPU needs the Triton interpreter")
+    torch.manual_seed(0)
+    layer = dora_torch.Linear.from_linear(nn.Linear(8, 6), r=2, lora_alpha=4, impl=impl)
+    with torch.no_grad():
+        layer.lora_B.normal_()
+    x = torch.randn(2, 3, 8)
+    entered = []
+    real = ops._C_APPLY
+    monkeypatch.setattr(ops, "_C_APPLY", lambda *args: entered.append(1) or real(*args))
+    fast = _grads(layer, x)
+    assert entered, "the eager call did not take autograd's C entry"
+    monkeypatch.setattr(ops, "_C_APPLY", ops.LinearFunction.apply)  # Function.apply's path
+    slow = _grads(layer, x)
+    assert len(entered) == 1
+    for got, want in zip(fast, slow, strict=True):
+        assert torch.equal(got, want)
+
+
+def test_an_input_leaked_from_a_transform_computes_as_the_plain_tensor():
+    """An input that escaped a ``torch.func`` transform (a wrapper of an exited level): the
+    layer computes what it computes on the plain tensor, gradients included (its reshape
+    unwraps it before ``apply_linear``, as ``Function.apply``'s scan would). Under an active
+    transform ``Function.apply`` runs, and says why it cannot (the Function has no
+    ``setup_context``)."""
+    torch.manual_seed(0)
+    layer = dora_torch.Linear.from_linear(nn.Linear(8, 6), r=2, lora_alpha=4, impl="eager")
+    with torch.no_grad():
+        layer.lora_B.normal_()
+    x = torch.randn(3, 8)
+    leaked = []
+    torch.func.grad(lambda t: leaked.append(t) or t.sum())(x.clone())
+    assert torch._C._functorch.is_functorch_wrapped_tensor(leaked[0])
+    want = _grads(layer, x)
+    got = _grads(layer, leaked[0])
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g, w)
+    with pytest.raises(RuntimeError, match="setup_context"):
+        torch.func.vmap(layer)(x[None])

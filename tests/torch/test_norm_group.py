@@ -171,6 +171,95 @@ def test_removed_and_dead_members_leave_the_group():
     assert len(group) == 2
 
 
+def _count_lookups(monkeypatch, layers) -> list[int]:
+    """A counter of the group's adapter lookups (``_dora_tensors``, one per member in a full
+    look at the members)."""
+    calls = [0]
+    for layer in layers:
+        real = layer._dora_tensors
+
+        def counted(module, real=real):
+            calls[0] += 1
+            return real(module)
+
+        monkeypatch.setattr(layer, "_dora_tensors", counted)
+    return calls
+
+
+def test_refreshes_reuse_the_last_member_list_until_it_changes(monkeypatch):
+    """After one refresh, the next ones take the members from the last one's list without a
+    lookup per member; a request whose tensors are not the listed ones (a replaced
+    adapter) looks at every member again, and computes that member from its new tensors."""
+    model, layers = _model()
+    lookups = _count_lookups(monkeypatch, layers)
+    x = torch.randn(5, 24, device=DEVICE)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.05)
+
+    def step():
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        opt.step()
+        with torch.no_grad():
+            got = model(x)
+        assert torch.equal(got, _uncached(layers, x))
+
+    step()
+    assert lookups[0] == 3  # the first refresh looked at every member
+    step()
+    step()
+    assert lookups[0] == 3  # later refreshes reused the list
+    with torch.no_grad():
+        new_b = nn.Parameter(layers[1].lora_B.detach() + 0.25)
+    layers[1].lora_B = new_b  # a new object: the listed one is not this layer's any more
+    opt.add_param_group({"params": [new_b]})
+    before = _computations(layers)
+    step()
+    # Layer 1 missed its entry (computed from the old B): its request no longer matched the
+    # list, so the group looked at every member and refreshed all three from the new tensors.
+    assert lookups[0] == 6
+    assert _computations(layers) == [c + 2 for c in before]
+    step()
+    assert lookups[0] == 6
+
+
+def test_a_listed_tensor_gone_or_changed_in_dtype_drops_the_list(monkeypatch):
+    _, layers = _model()
+    group = layers[0]._dora_norm_cache.group
+    x = torch.randn(3, 24, device=DEVICE)
+    with torch.no_grad():
+        layers[0](x)
+    w = layers[0].weight
+    assert group._relisted(w) is not None
+    layers[2].weight.data = layers[2].weight.data.double()
+    assert group._relisted(w) is None  # would be computed in another dtype: look again
+    layers[2].weight.data = layers[2].weight.data.float()
+    assert group._relisted(w) is not None
+    del layers[2].lora_A  # its A is gone
+    import gc
+
+    gc.collect()
+    assert group._relisted(w) is None
+
+
+def test_a_request_the_group_cannot_serve_drops_the_list():
+    model, layers = _model()
+    group = layers[0]._dora_norm_cache.group
+    x = torch.randn(5, 24, device=DEVICE)
+    with torch.no_grad():
+        model(x)
+        assert group._listed is not None
+        layers[1].impl = "eager"  # listed as fused; its next call is the eager tier's
+        layers[1].lora_B.add_(0.5)
+        model(x)
+        assert group._listed is None
+        layers[2].lora_B.add_(0.5)
+        model(x)  # layer 2's miss: a full look, which leaves the eager layer out
+    assert [entry[1] for entry in group._listed] == [
+        layers[0]._dora_norm_cache,
+        layers[2]._dora_norm_cache,
+    ]
+
+
 def test_accelerate_peft_groups_its_layers():
     pytest.importorskip("peft")
     from tests.parity.models import ALL_PROJ, peft_dora, tiny_llama
