@@ -18,9 +18,11 @@ CUDA-graph replay of the norms needs a GPU, so ``--workload model`` (default) ti
 forward and backward with the norms cached (adapters unchanged), not the optimizer step.
 ``--workload train_step`` times what users run: ``zero_grad``, forward, backward and an
 ``AdamW(foreach=True)`` step (its hook included), each in its own column. Its forward pays
-the norm group's refresh after each step, which on the CPU computes the members one by one
-(launches as no-ops) where a GPU replays one graph: the group's listing and installing of
-its members are timed as on a GPU, its computation is not.
+the norm group's refresh after each step on the path it takes on a GPU: the members listed,
+their graph signature checked, one replay (of a stand-in graph that does nothing: the
+capture ran the members once, launches as no-ops), the entries installed. A revision whose
+``norm_group`` has no ``graphs_possible`` (before session 36) computes its members one by
+one instead, so its forward is not comparable there (the harness says so).
 ``--workload step_hook`` times the optimizer-step hook alone (``cache._count_step``: every
 cached module's ‖W‖² and norm buffers checked after each step; variants ``ours``,
 ``ours_rev``). ``--workload layer`` times issue 10's one-layer row instead
@@ -78,6 +80,20 @@ class _NoopCompiled:
         return None
 
 
+class _StandInGraph:
+    """``torch.cuda.CUDAGraph`` on the CPU: its capture runs the body once (eagerly, as
+    ``_stand_in_capture`` lets it), a replay does nothing."""
+
+    def replay(self) -> None:
+        return None
+
+
+@contextlib.contextmanager
+def _stand_in_capture(graph, *args, **kwargs):
+    """``torch.cuda.graph(graph)``: the body runs as it is."""
+    yield
+
+
 class _NoopKernel:
     """Stands in for a ``@triton.jit`` kernel: ``kernel[grid](*args, **options)``."""
 
@@ -92,6 +108,8 @@ def fused_host_path(packages=("dora_torch",)):
     """Run each package's (dora_torch, or a ``revision_copy`` of it) fused tier on CPU
     tensors with every Triton launch a no-op. Yields the packages' ``Launcher``s."""
     with contextlib.ExitStack() as stack:
+        stack.enter_context(mock.patch.object(torch.cuda, "CUDAGraph", _StandInGraph))
+        stack.enter_context(mock.patch.object(torch.cuda, "graph", _stand_in_capture))
         launchers = []
         for package in packages:
             launchers += stack.enter_context(_fused_host_path(package))
@@ -106,6 +124,7 @@ def _fused_host_path(package: str):
         for name in ("backward", "common", "compose", "launch", "norm", "norm_pass")
     ]
     backward, common, compose, launch, norm, norm_pass = kernels
+    norm_group = importlib.import_module(f"{package}.norm_group")
     launchers = [
         v
         for mod in (backward, compose, norm, norm_pass)
@@ -138,7 +157,20 @@ def _fused_host_path(package: str):
         for launcher in launchers:
             stack.enter_context(mock.patch.object(launcher, "kernel", _NoopKernel()))
             stack.enter_context(mock.patch.object(launcher, "_compiled", {}))
+        if hasattr(norm_group, "graphs_possible"):  # the group's replay path, as on CUDA
+            stack.enter_context(
+                mock.patch.object(
+                    norm_group, "graphs_possible", lambda w: norm_group.config.NORM_GROUP_GRAPHS
+                )
+            )
         yield launchers
+
+
+def _replays(model) -> int:
+    """Replays of the norm groups of ``model``'s DoRA layers."""
+    caches = (getattr(m, "_dora_norm_cache", None) for m in model.modules())
+    groups = {id(c.group): c.group for c in caches if c is not None and c.group is not None}
+    return sum(g.replays for g in groups.values())
 
 
 def tiny_model(layers: int, hidden: int, seed: int = 0):
@@ -347,18 +379,23 @@ def main(argv=None) -> list[dict]:
         variants.append("ours_rev")
         packages.append(rev.__name__)
         print(f"ours_rev: dora_torch at {commit}")
+        replays = hasattr(importlib.import_module(f"{rev.__name__}.norm_group"), "graphs_possible")
+        if args.workload == "train_step" and not replays:
+            print("note: ours_rev's norm group computes its members one by one here (no "
+                  "graphs_possible): its forward is not comparable with ours'")  # fmt: skip
     if args.profile is not None and args.profile not in variants:
         ap.error(f"--profile {args.profile}: not among the variants {variants}")
     torch.set_num_threads(1)
     with fused_host_path(packages) as launchers:
+        models = {}
         if args.workload in ("model", "train_step"):
             ids = torch.randint(0, 128, (1, args.seq))
             calls = args.layers * len(ADAPTED)
+            models = {v: build(v, args.layers, args.hidden, args.rank, rev) for v in variants}
             steps = {
-                v: step_fn(build(v, args.layers, args.hidden, args.rank, rev), ids,
-                           optimizer=args.workload == "train_step")
-                for v in variants
-            }  # fmt: skip
+                v: step_fn(model, ids, optimizer=args.workload == "train_step")
+                for v, model in models.items()
+            }
         elif args.workload == "step_hook":
             ids = torch.randint(0, 128, (1, args.seq))
             calls = args.layers * len(ADAPTED)
@@ -376,6 +413,8 @@ def main(argv=None) -> list[dict]:
         ours = {"ours", "ours_rev", "ours_stacked"} & set(steps)
         if ours and not any(x.fast_launches for x in launchers):
             raise RuntimeError("ours never reached a Launcher's fast path: the harness is stale")
+        if args.workload == "train_step" and "ours" in models and not _replays(models["ours"]):
+            raise RuntimeError("ours' norm group never replayed: the harness is stale")
         if args.profile:
             prof = cProfile.Profile()
             prof.enable()

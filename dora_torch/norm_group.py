@@ -161,7 +161,7 @@ class NormGroup:
         """(n, a, b) of every member, one replay once the same tensors were seen twice, and
         each member's ‖W‖² (brought up to date first)."""
         weight = members[0][1]
-        graphs = weight.is_cuda and config.NORM_GROUP_GRAPHS and not self._failed
+        graphs = graphs_possible(weight) and not self._failed
         base = [c.base_sq(w) for c, w, *_ in members]
         signature = (
             (weight.device, dtype),
@@ -333,6 +333,13 @@ def _position(members: list[tuple], want: tuple) -> int | None:
         if m[0] is c:
             return i if m[1] is w and m[2] is a and m[3] is b and m[4] == s else None
     return None
+
+
+def graphs_possible(weight: torch.Tensor) -> bool:
+    """Whether a group of layers with ``weight``'s device may capture and replay its
+    computation (``benchmarks/host_step_cpu`` makes this true on the CPU, with a stand-in
+    graph, to time the replay path's host work)."""
+    return weight.is_cuda and config.NORM_GROUP_GRAPHS
 
 
 def graph_key(t: torch.Tensor) -> tuple:
