@@ -207,16 +207,21 @@ class NormGroup:
     def _relisted(self, weight: torch.Tensor) -> tuple[list, list[tuple]] | None:
         """The last refresh's members and tensors, without asking each module for its
         adapter (``_eligible``: ~2 µs per member of host time, NOTES session 36); None when
-        there was none, a module or tensor is gone, or a tensor's device or dtype now differs
+        there was none, a module or tensor is gone, a member's W is no longer its module's,
+        a member keeps a norm buffer (eval mode), or a tensor's device or dtype now differs
         from ``weight``'s.
 
-        A member's tensors may no longer be its adapter's (another adapter set active, the
-        layer disabled): the group then computes a norm that member does not read. Never
-        wrong: an entry holds for the tensors it was computed from (their stamps), so that
-        member misses its entry and asks for a refresh, whose request no longer matches the
-        list (``refresh`` then looks at every member); a member that stops asking costs its
-        norm's share of each replay until the next full look (``add``, ``remove``, or a
-        request the group cannot serve)."""
+        A member's adapter tensors may no longer be the ones it computes with (another
+        adapter set active, the layer disabled or merged): the group then computes a norm
+        that member does not read. Never wrong for the entries: an entry holds for the
+        tensors it was computed from (their stamps), so that member misses its entry and asks
+        for a refresh, whose request no longer matches the list (``refresh`` then looks at
+        every member). What a refresh writes outside the entries, compiled graphs read
+        unchecked, so it must be the module's own: ‖W‖² (in place, and the buffer compiled
+        training graphs read), hence the check of W; the norm buffer of an eval-mode member,
+        hence no list while one keeps it. A member that stops asking costs its norm's share
+        of each replay until the next full look (``add``, ``remove``, or a request the group
+        cannot serve)."""
         listed = self._listed
         if listed is None:
             return None
@@ -225,6 +230,8 @@ class NormGroup:
         for module_ref, c, w_ref, a_ref, b_ref, s in listed:
             module, w, a, b = module_ref(), w_ref(), a_ref(), b_ref()
             if module is None or w is None or a is None or b is None:
+                return None
+            if keeps_norm_buffer(module) or module._dora_weight(module) is not w:
                 return None
             if w.dtype != dtype or w.device != device:
                 return None

@@ -222,7 +222,7 @@ def test_refreshes_reuse_the_last_member_list_until_it_changes(monkeypatch):
     assert lookups[0] == 6
 
 
-def test_a_listed_tensor_gone_or_changed_in_dtype_drops_the_list(monkeypatch):
+def test_the_list_is_dropped_when_a_member_changes_what_a_refresh_writes():
     _, layers = _model()
     group = layers[0]._dora_norm_cache.group
     x = torch.randn(3, 24, device=DEVICE)
@@ -234,11 +234,51 @@ def test_a_listed_tensor_gone_or_changed_in_dtype_drops_the_list(monkeypatch):
     assert group._relisted(w) is None  # would be computed in another dtype: look again
     layers[2].weight.data = layers[2].weight.data.float()
     assert group._relisted(w) is not None
+    old_w = layers[2].weight  # kept alive here, as a user's reference would
+    layers[2].weight = nn.Parameter(old_w.detach() + 1.0, requires_grad=False)
+    assert group._relisted(w) is None  # ‖W‖² of the listed W is not this layer's any more
+    layers[2].weight = old_w
+    assert group._relisted(w) is not None
+    # In eval mode a refresh writes the norm buffer, which must come from the layer's
+    # current tensors (the flag alone: eval() itself refreshes through the cache).
+    layers[1].training = False
+    assert group._relisted(w) is None
+    layers[1].training = True
+    assert group._relisted(w) is not None
     del layers[2].lora_A  # its A is gone
     import gc
 
     gc.collect()
     assert group._relisted(w) is None
+
+
+@pytest.mark.parametrize("replaced", ["weight", "lora_B"])
+def test_buffers_a_refresh_writes_follow_the_members_current_tensors(replaced):
+    """What a refresh writes besides the entries, compiled graphs read without checks: the
+    ‖W‖² buffer (training) and, in eval mode, the norm buffer. A member whose W or B was
+    replaced by a new Parameter (the old one still alive) gets them from its new tensors when
+    another layer's miss starts the refresh."""
+    model, layers = _model()
+    if replaced == "lora_B":
+        model.eval()
+    x = torch.randn(5, 24, device=DEVICE)
+    with torch.no_grad():
+        model(x)  # refreshes all three and lists them
+        old = getattr(layers[1], replaced)
+        new = nn.Parameter(old.detach() + 0.5, requires_grad=old.requires_grad)
+        setattr(layers[1], replaced, new)
+        layers[0].lora_B.add_(0.25)  # layer 0's next call misses: a refresh of the group
+        layers[0](x)
+    if replaced == "weight":
+        torch.testing.assert_close(
+            layers[1].dora_base_sq, new.detach().float().square().sum(1), rtol=1e-6, atol=0
+        )
+    else:
+        fresh = dora_torch.factored_norm(
+            layers[1].weight, layers[1].lora_A, new, layers[1].scaling, impl="fused"
+        )
+        torch.testing.assert_close(layers[1].dora_norm, fresh, rtol=1e-6, atol=0)
+    assert old is not None  # alive until here
 
 
 def test_a_request_the_group_cannot_serve_drops_the_list():
