@@ -193,4 +193,3 @@ def test_activation_checkpointing_gives_the_plain_gradients(impl, reentrant):
     got = _layer_grads(layer, x, lambda m, t: checkpoint(m, t, use_reentrant=reentrant))
     for g, w in zip(got, want, strict=True):
         assert torch.equal(g, w)
-
