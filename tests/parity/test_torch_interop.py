@@ -147,6 +147,49 @@ def test_accelerated_model_under_activation_checkpointing_matches_peft():
     _assert_ours_ran(models[0], ("eager",))
 
 
+@pytest.mark.parametrize("impl", ["auto", "fused"])
+def test_switching_adapters_follows_peft_through_training(impl):
+    """Two DoRA adapters on one PEFT model, switched with ``set_adapter`` between SGD steps
+    (PEFT then trains only the active one): right after each switch and after each step the
+    accelerated model's logits are PEFT's. With the fused tier the norm group serves every
+    call: a switch must make it look at its members again, and the adapter switched away
+    from, trained two steps ago, must not come back with its old norms."""
+    from peft import LoraConfig
+
+    device = "cuda" if impl == "fused" and not config.interpreting() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("impl='fused' needs CUDA or the Triton interpreter")
+
+    def build():
+        pm = peft_dora(tiny_llama(), target_modules=ALL_PROJ)
+        cfg = LoraConfig(r=4, lora_alpha=8, use_dora=True, target_modules=ALL_PROJ)
+        pm.add_adapter("other", cfg)
+        randomize_dora(pm, seed=1)
+        return pm.to(device).train()
+
+    ours, ref = build(), build()
+    accelerate_peft(ours, impl=impl)
+    ids = token_ids(ref.base_model.model.config).to(device)
+
+    def logits(m):
+        with torch.no_grad():
+            return m(ids).logits
+
+    for adapter, steps in (("default", 2), ("other", 2), ("default", 1)):
+        for m in (ours, ref):
+            m.set_adapter(adapter)
+        torch.testing.assert_close(logits(ours), logits(ref), rtol=1e-5, atol=1e-6)
+        opts = [torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.05)
+                for m in (ours, ref)]  # fmt: skip
+        for _ in range(steps):
+            for m, opt in zip((ours, ref), opts, strict=True):
+                opt.zero_grad()
+                m(ids).logits.float().square().mean().backward()
+                opt.step()
+            torch.testing.assert_close(logits(ours), logits(ref), rtol=1e-5, atol=1e-6)
+    _assert_ours_ran(ours, ("fused",) if impl == "fused" else ("eager", "fused"))
+
+
 def test_training_steps_and_save_pretrained_after_acceleration(tmp_path):
     from peft import PeftModel
 
