@@ -65,6 +65,33 @@ def host_us(fn, n: int = 400) -> float:
     return dt / n * 1e6
 
 
+def launch_rows(run, big: torch.Tensor) -> None:
+    """The ``Launcher``'s fast path on ``_noop25`` (9 pointers), and the compiled kernel's C
+    launcher alone with the pointers passed as tensors (what the fast path does: Triton's C
+    code calls ``data_ptr()`` and ``cuPointerGetAttribute`` per pointer) or as ints (neither):
+    their difference over 9 is the C side's cost per pointer argument."""
+    from triton.runtime import driver
+
+    from dora_torch.kernels.launch import Launcher
+
+    launcher = Launcher(_noop25)
+    ints = (*range(14), 1.0, 2.0)
+    named = {"A": 1, "B": 2, "C": 3}
+    pointers = (big,) * 9
+
+    def fast_path():
+        launcher((1,), *pointers, *ints, num_warps=4, **named)
+
+    run("Launcher fast path, 25 args + 3 constexpr", fast_path)
+    (c_launch, function, packed), *_ = launcher._compiled.values()
+    stream = driver.active.get_current_stream(torch.cuda.current_device())
+    head = (1, 1, 1, stream, function, packed, None, None, None)
+    tail = (*ints, *named.values())
+    as_ints = (big.data_ptr(),) * 9
+    run("compiled.run, 9 pointers as tensors", lambda: c_launch(*head, *pointers, *tail))
+    run("compiled.run, 9 pointers as ints", lambda: c_launch(*head, *as_ints, *tail))
+
+
 def main() -> None:
     import dora_torch
     from dora_torch import checks, ops
@@ -107,6 +134,7 @@ def main() -> None:
         lambda: _noop25[(1,)](*([big] * 9), *range(14), 1.0, 2.0, A=1, B=2, C=3),
     )
     run("triton noop, autotune (1 config)", lambda: _noop_tuned[(1,)](f, f, 1))
+    launch_rows(run, big)
     run(
         "checks.check_adapter + check_input",
         lambda: (checks.check_adapter(W, A, B, m, None), checks.check_input(xd, W)),

@@ -180,8 +180,6 @@ def _lora_gemm_compose_kernel(
 @triton.jit
 def _compose_kernel(
     lora_ptr,
-    stride_lm,
-    stride_ln,
     base_ptr,
     based_ptr,
     m_ptr,
@@ -189,6 +187,8 @@ def _compose_kernel(
     bias_ptr,
     y_ptr,
     inner_ptr,
+    stride_lm,
+    stride_ln,
     M,
     N,
     stride_bm,
@@ -376,7 +376,6 @@ def compose_elementwise(
     _launch_compose(
         grid,
         lora,
-        *lora.stride(),
         base_arg,
         base_d,
         magnitude,
@@ -384,6 +383,7 @@ def compose_elementwise(
         bias if bias is not None else norm,
         y,
         base_d,
+        *lora.stride(),
         M,
         N,
         *base_d.stride(),

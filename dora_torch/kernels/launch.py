@@ -8,18 +8,26 @@ host-bound. A ``Launcher`` keeps, per kernel, the compiled kernels Triton return
 everything Triton specialises on, and launches a hit through the compiled kernel's own
 launcher, the call ``JITFunction.run`` ends with, without launch metadata (no hooks).
 
+The kernel's pointer parameters (named ``*_ptr``) come first. A hit passes them to Triton's
+C launcher as the integer addresses the key already read, so that launcher neither calls
+each tensor's ``data_ptr()`` nor asks the driver about the address (``cuPointerGetAttribute``,
+one driver call per pointer and launch; benchmarks/NOTES.md, session 37).
+
 The key is never coarser than Triton's own specialisation, so a hit always runs the kernel
 Triton would have picked:
-  - tensors: dtype, and whether the data pointer is 16-byte aligned;
-  - non-constexpr ints (and bools, None): their values, which is finer than Triton's
-    classes (== 1, divisible by 16, int32 / int64 / uint64 range) and cheaper to compute;
-  - non-constexpr floats: their type only (always passed as fp32);
-  - constexprs and launch options (num_warps, num_stages): their values;
-  - the current CUDA device.
+  - pointers: the tensor's dtype, whether it is on CUDA (a CPU tensor never hits, so Triton's
+    own launch raises for it, as it would), and its address modulo 16 (Triton specialises on
+    16-byte alignment);
+  - every other argument (ints, floats, bools, None, constexprs) by its type and value: finer
+    than Triton's classes of ints (== 1, divisible by 16, int32 / int64 range), which would
+    cost more to compute, and finer than its one class of floats. The kernels here take floats
+    fixed per layer (the scaling, a dtype's largest value); a float that changed in every call
+    would miss in every call;
+  - the launch options (num_warps, num_stages) and the current CUDA device.
 Everything else goes through ``kernel[grid](...)``: the first call of a key (which compiles
-and returns the kernel), the Triton interpreter (CPU CI), Dynamo tracing (Inductor captures
-the ``kernel[grid]`` call itself), launch hooks set in ``triton.knobs`` (profilers), and
-``config.FAST_TRITON_LAUNCH = False``.
+and returns the kernel), a pointer argument that is not a tensor (None), the Triton
+interpreter (CPU CI), Dynamo tracing (Inductor captures the ``kernel[grid]`` call itself),
+launch hooks set in ``triton.knobs`` (profilers), and ``config.FAST_TRITON_LAUNCH = False``.
 """
 
 from __future__ import annotations
@@ -45,23 +53,14 @@ def hooks_set() -> bool:
     return False
 
 
-def specialization_key(constexpr: tuple[bool, ...], args: tuple, options: tuple) -> tuple:
-    """The cache key of one launch: ``args`` in the kernel's parameter order, ``constexpr``
-    flags per parameter, ``options`` the launch options. See the module docstring.
-
-    Finer than Triton's own key where that is cheaper to build: non-constexpr ints (and
-    bools, None, strings) enter by value, so the key holds more than Triton's classes of
-    them (== 1, divisible by 16, width); a tensor enters as (dtype, 16-byte aligned) and a
-    non-constexpr float as its type only. One comprehension, no per-kind branching for the
-    ints that make up most of a launch (~half the host time of a branch per argument)."""
-    key = [
-        a
-        if c or type(a) is int
-        else ((a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor) else
-              ("f" if type(a) is float else ("v", a)))
-        for c, a in zip(constexpr, args, strict=True)
-    ]  # fmt: skip
-    return (options, *key)
+def launch_form(pointers: int, args: tuple, options: tuple) -> tuple[tuple, tuple]:
+    """(key, arguments) of one launch: the cache key (see the module docstring) and the
+    arguments for Triton's C launcher, the first ``pointers`` of ``args`` (tensors) replaced by
+    their addresses. Raises AttributeError when one of those is not a tensor."""
+    head, rest = args[:pointers], args[pointers:]
+    addresses = [t.data_ptr() for t in head]
+    tensors = [(t.dtype, t.is_cuda, p & 15) for t, p in zip(head, addresses)]
+    return (options, tuple(map(type, rest)), rest, *tensors), (*addresses, *rest)
 
 
 #: Distinct launch keys a ``Launcher`` keeps before it starts over (keys hold exact int
@@ -75,9 +74,12 @@ class Launcher:
     def __init__(self, kernel) -> None:
         self.kernel = kernel
         self.names = tuple(inspect.signature(kernel.fn).parameters)
-        # The interpreter's InterpretedFunction has no ``params``; it never takes the fast path.
-        params = getattr(kernel, "params", None) or ()
-        self.constexpr = tuple(bool(p.is_constexpr) for p in params)
+        self.pointers = sum(n.endswith("_ptr") for n in self.names)
+        if any(not n.endswith("_ptr") for n in self.names[: self.pointers]):
+            raise ValueError(
+                f"{kernel.__name__}: a Launcher needs the kernel's pointer parameters (named "
+                f"*_ptr) first; got {self.names}"
+            )
         self._compiled: dict[tuple, object] = {}
         self.broken = False  # set when this Triton's launcher refused our call
         self.fast_launches = 0  # for tests
@@ -98,6 +100,11 @@ class Launcher:
                     f"{self.kernel.__name__}: parameters after the positional ones must be "
                     f"{rest} by name; got {tuple(named)}"
                 )
+        if len(args) != len(self.names):
+            raise TypeError(
+                f"{self.kernel.__name__} takes {len(self.names)} arguments {self.names}; "
+                f"got {len(args)}"
+            )
         if (
             not config.FAST_TRITON_LAUNCH
             or config.interpreting()
@@ -108,25 +115,30 @@ class Launcher:
             self.kernel[grid](*args, **_options(num_warps, num_stages))
             return
         device = torch.cuda.current_device()
-        key = (device, specialization_key(self.constexpr, args, (num_warps, num_stages)))
+        try:
+            key, call = launch_form(self.pointers, args, (device, num_warps, num_stages))
+        except AttributeError:  # a pointer argument that is not a tensor (None)
+            self.kernel[grid](*args, **_options(num_warps, num_stages))
+            return
         entry = self._compiled.get(key)
         if entry is None:
             compiled = self.kernel[grid](*args, **_options(num_warps, num_stages))
             # What JITFunction.run launches a compiled kernel with (``run`` loads the module).
             launcher = getattr(compiled, "run", None)
             function = getattr(compiled, "function", None)
-            packed = getattr(compiled, "packed_metadata", None)
             complete = launcher is not None and function is not None
-            if complete and hasattr(compiled, "packed_metadata"):
+            # A tensor among the other arguments would enter the key as itself: never kept.
+            plain = not any(isinstance(a, torch.Tensor) for a in args[self.pointers :])
+            if complete and plain and hasattr(compiled, "packed_metadata"):
                 if len(self._compiled) >= MAX_KEYS:
                     self._compiled.clear()
-                self._compiled[key] = (launcher, function, packed)
+                self._compiled[key] = (launcher, function, compiled.packed_metadata)
             return
         launcher, function, packed = entry
         g0, g1, g2 = (*grid, 1, 1)[:3]
         stream = driver.active.get_current_stream(device)
         try:
-            launcher(g0, g1, g2, stream, function, packed, None, None, None, *args)
+            launcher(g0, g1, g2, stream, function, packed, None, None, None, *call)
         except TypeError:  # a Triton whose launcher takes other arguments: parsed, not launched
             self.broken = True
             self._compiled.clear()

@@ -3,6 +3,8 @@ row-blocked norms, the Triton launch cache's key, and the one-GEMM scaled adapte
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 from torch import nn
@@ -10,7 +12,7 @@ from torch import nn
 import dora_torch
 from dora_torch import config
 from dora_torch.kernels.compose import _launch_compose
-from dora_torch.kernels.launch import Launcher, hooks_set, specialization_key
+from dora_torch.kernels.launch import Launcher, hooks_set, launch_form
 from dora_torch.matmul import scaled_mm
 from dora_torch.norm import base_sq_norm, detached_norm
 
@@ -41,24 +43,99 @@ def test_norm_row_chunk_bounds_u():
     assert config.norm_row_chunk(10**9) == 1
 
 
-def test_specialization_key_is_never_coarser_than_tritons():
-    flags = (False, False, False, True)
-    buf = torch.empty(64, dtype=torch.bfloat16)
+class _Pointer:
+    """What ``launch_form`` reads of a pointer argument, for a CUDA tensor on a CPU machine."""
 
-    def key(*args):
-        return specialization_key(flags, args, (4, None))
+    def __init__(self, address: int, dtype=torch.bfloat16, is_cuda: bool = True):
+        self.address, self.dtype, self.is_cuda = address, dtype, is_cuda
 
-    base = key(buf, 32, 1.5, 64)
-    assert key(buf, 32, 2.5, 64) == base  # float values are not specialised
-    assert key(buf[1:], 32, 1.5, 64) != base  # 16-byte alignment
-    assert key(buf.float(), 32, 1.5, 64) != base  # dtype
-    assert key(buf, 33, 1.5, 64) != base  # divisibility by 16
-    assert key(buf, 1, 1.5, 64) != key(buf, 17, 1.5, 64)  # == 1 is specialised
-    assert key(buf, 2**31 + 16, 1.5, 64) != key(buf, 16, 1.5, 64)  # int64 range
-    assert key(buf, 32, 1.5, 128) != base  # constexpr value
-    assert specialization_key(flags, (buf, 32, 1.5, 64), (8, None)) != base  # options
-    with pytest.raises(ValueError):  # one flag per argument, no silent truncation
-        specialization_key(flags, (buf, 32), (4, None))
+    def data_ptr(self) -> int:
+        return self.address
+
+
+def test_launch_form_key_is_never_coarser_than_tritons():
+    def key(*args, options=(0, 4, None)):
+        return launch_form(1, args, options)[0]
+
+    p = _Pointer(4096)
+    base = key(p, 32, 1.5, 64)
+    assert key(_Pointer(8192), 32, 1.5, 64) == base  # another aligned address: the same kernel
+    assert key(_Pointer(4098), 32, 1.5, 64) != base  # 16-byte alignment
+    assert key(_Pointer(4096, torch.float32), 32, 1.5, 64) != base  # dtype
+    assert key(_Pointer(4096, is_cuda=False), 32, 1.5, 64) != base  # a CPU tensor never hits
+    assert key(p, 33, 1.5, 64) != base  # divisibility by 16
+    assert key(p, 1, 1.5, 64) != key(p, 17, 1.5, 64)  # == 1 is specialised
+    assert key(p, 2**31 + 16, 1.5, 64) != key(p, 16, 1.5, 64)  # int64 range
+    assert key(p, 32, 1.5, 128) != base  # constexpr value
+    assert key(p, 1, 1.5, 64) != key(p, True, 1.5, 64)  # an i1 argument is not an int
+    assert key(p, 32, 2, 64) != key(p, 32, 2.0, 64)  # nor is a float
+    assert key(p, 32, 1.5, 64, options=(0, 8, None)) != base  # options
+    assert key(p, 32, 1.5, 64, options=(1, 4, None)) != base  # device
+
+
+def test_launch_form_passes_addresses_for_pointers():
+    x = torch.arange(6.0)
+    _, args = launch_form(2, (x, x[1:], 7, 0.5, None), (0, 4, None))
+    assert args == (x.data_ptr(), x.data_ptr() + 4, 7, 0.5, None)
+    with pytest.raises(AttributeError):  # a pointer argument that is not a tensor
+        launch_form(2, (x, None, 7, 0.5, None), (0, 4, None))
+
+
+def _recording_launcher(monkeypatch, kernel_fn):
+    """A ``Launcher`` on a stand-in kernel, its fast path on as on CUDA: ``calls`` records
+    (``"triton"``, args) for ``kernel[grid](...)`` and (``"c"``, args) for the C launcher."""
+    from dora_torch.kernels import launch
+
+    calls = []
+
+    class Compiled:
+        function, packed_metadata = 1, None
+
+        @staticmethod
+        def run(*args):
+            calls.append(("c", args[9:]))  # after grid, stream, function, metadata, hooks
+
+    class Kernel:
+        fn, __name__ = staticmethod(kernel_fn), kernel_fn.__name__
+
+        def __getitem__(self, grid):
+            return lambda *args, **options: calls.append(("triton", args)) or Compiled()
+
+    monkeypatch.setattr(launch.config, "interpreting", lambda: False)
+    monkeypatch.setattr(launch.config, "FAST_TRITON_LAUNCH", True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    stream = types.SimpleNamespace(get_current_stream=lambda device: 0)
+    monkeypatch.setattr(launch, "driver", types.SimpleNamespace(active=stream))
+    return Launcher(Kernel()), calls
+
+
+def test_launcher_hits_pass_addresses_and_unkeyable_calls_go_through_triton(monkeypatch):
+    def kernel(a_ptr, b_ptr, n, s, BLOCK):
+        pass
+
+    launcher, calls = _recording_launcher(monkeypatch, kernel)
+    x, y = torch.zeros(4), torch.zeros(4, dtype=torch.float64)
+    for _ in range(2):
+        launcher((1,), x, y, 4, 0.5, num_warps=4, BLOCK=16)
+    assert calls == [("triton", (x, y, 4, 0.5, 16)),
+                     ("c", (x.data_ptr(), y.data_ptr(), 4, 0.5, 16))]  # fmt: skip
+    assert launcher.fast_launches == 1
+    calls.clear()
+    for _ in range(2):  # None for a pointer, a tensor for another parameter: never kept
+        launcher((1,), x, None, 4, 0.5, num_warps=4, BLOCK=16)
+        launcher((1,), x, y, x, 0.5, num_warps=4, BLOCK=16)
+    assert [c[0] for c in calls] == ["triton"] * 4
+    assert len(launcher._compiled) == 1
+    with pytest.raises(TypeError, match="takes 5 arguments"):
+        launcher((1,), x, y, 4, num_warps=4)
+
+
+def test_launcher_needs_pointer_parameters_first():
+    def kernel(a_ptr, n, b_ptr):
+        pass
+
+    with pytest.raises(ValueError, match=r"pointer parameters \(named \*_ptr\) first"):
+        Launcher(types.SimpleNamespace(fn=kernel, __name__="kernel"))
 
 
 def test_only_installed_launch_hooks_turn_the_fast_path_off():
@@ -81,7 +158,10 @@ def test_only_installed_launch_hooks_turn_the_fast_path_off():
 
 def test_launcher_orders_named_parameters_and_names_missing_ones():
     launcher = Launcher(_launch_compose.kernel)
-    assert launcher.names[:2] == ("lora_ptr", "stride_lm")
+    assert launcher.names[launcher.pointers - 1 : launcher.pointers + 1] == (
+        "inner_ptr",
+        "stride_lm",
+    )
     with pytest.raises(TypeError, match="BLOCK_N"):
         launcher((1,), *range(len(launcher.names) - 2), num_warps=4, BLOCK_M=16)
 
