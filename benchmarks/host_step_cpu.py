@@ -25,7 +25,10 @@ capture ran the members once, launches as no-ops), the entries installed. A revi
 one instead, so its forward is not comparable there (the harness says so).
 ``--workload step_hook`` times the optimizer-step hook alone (``cache._count_step``: every
 cached module's ‖W‖² and norm buffers checked after each step; variants ``ours``,
-``ours_rev``). ``--workload layer`` times issue 10's one-layer row instead
+``ours_rev``). ``--workload guards`` times Dynamo's guard check of ``torch.compile(model)``'s
+forward alone, what a compiled call evaluates before its graph's first kernel (each model
+compiled once in train mode, backend "eager", its layers on their CPU tier; variants
+``peft_lora``, ``ours``, ``ours_rev``). ``--workload layer`` times issue 10's one-layer row instead
 (``bench_torch_layer``'s eager fwd+bwd: one ``dora_torch.Linear``, its norm recomputed in
 every call, against the cuBLAS LoRA-equivalent ``lora_eq``; variants ``lora_eq``, ``ours``,
 ``ours_stacked``, ``ours_rev``).
@@ -46,6 +49,7 @@ rounds for sizes, the profile for names).
     python3 -m benchmarks.host_step_cpu --profile ours --per-round 20
     python3 -m benchmarks.host_step_cpu --workload layer --rev .rev
     python3 -m benchmarks.host_step_cpu --workload train_step --rev .rev
+    python3 -m benchmarks.host_step_cpu --workload guards
 """
 
 from __future__ import annotations
@@ -55,6 +59,7 @@ import contextlib
 import cProfile
 import gc
 import importlib
+import inspect
 import pathlib
 import pstats
 import statistics
@@ -254,6 +259,34 @@ def hook_step_fn(model, ids, package: str):
     return step
 
 
+def guard_step_fn(model, ids):
+    """Dynamo's guard check of ``torch.compile(model)``'s forward, timed alone; returns
+    (check seconds, 0, 0). Raises when the compiled forward is not one graph or its guards
+    reject the call they were built for (the harness would time something else)."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    forward = type(model).forward
+    before = len(_debug_get_cache_entry_list(forward.__code__))
+    torch.compile(model, backend="eager")(input_ids=ids)
+    entries = _debug_get_cache_entry_list(forward.__code__)
+    if len(entries) != before + 1:
+        raise RuntimeError(f"compiling {type(model).__name__} made {len(entries) - before} "
+                           "cache entries, not one graph: the harness is stale")  # fmt: skip
+    bound = inspect.signature(forward).bind(model, input_ids=ids)
+    bound.apply_defaults()
+    frame_locals = dict(bound.arguments)
+    check = entries[0].guard_manager.check  # the newest entry
+    if not check(frame_locals):
+        raise RuntimeError("the guards reject the call they were built for: the harness is stale")
+
+    def step(model=model):
+        t0 = time.perf_counter()
+        check(frame_locals)
+        return time.perf_counter() - t0, 0.0, 0.0
+
+    return step
+
+
 def layer_step_fn(variant: str, d: int, r: int, tokens: int, rev=None):
     """One fwd+bwd of one layer (``bench_torch_layer``'s eager fwd_bwd row): ``lora_eq`` =
     cuBLAS LoRA (two GEMMs and an addmm), ``ours`` / ``ours_rev`` = ``dora_torch.Linear``
@@ -337,6 +370,7 @@ WORKLOAD_VARIANTS = {
     "train_step": ("peft_lora", "ours", "peft_dora"),
     "layer": ("lora_eq", "ours", "ours_stacked"),
     "step_hook": ("ours",),
+    "guards": ("peft_lora", "ours"),
 }
 
 
@@ -386,7 +420,9 @@ def main(argv=None) -> list[dict]:
     if args.profile is not None and args.profile not in variants:
         ap.error(f"--profile {args.profile}: not among the variants {variants}")
     torch.set_num_threads(1)
-    with fused_host_path(packages) as launchers:
+    # Dynamo traces the layers: on the CPU tier, not through the no-op launches
+    guards = args.workload == "guards"
+    with contextlib.nullcontext([]) if guards else fused_host_path(packages) as launchers:
         models = {}
         if args.workload in ("model", "train_step"):
             ids = torch.randint(0, 128, (1, args.seq))
@@ -404,6 +440,13 @@ def main(argv=None) -> list[dict]:
                                 packages[-1] if v == "ours_rev" else "dora_torch")
                 for v in variants
             }  # fmt: skip
+        elif guards:
+            ids = torch.randint(0, 128, (1, args.seq))
+            calls = args.layers * len(ADAPTED)
+            steps = {
+                v: guard_step_fn(build(v, args.layers, args.hidden, args.rank, rev), ids)
+                for v in variants
+            }
         else:
             calls = 1
             steps = {v: layer_step_fn(v, args.hidden, args.rank, args.seq, rev) for v in variants}
@@ -411,7 +454,7 @@ def main(argv=None) -> list[dict]:
             for _ in range(3):
                 fn()
         ours = {"ours", "ours_rev", "ours_stacked"} & set(steps)
-        if ours and not any(x.fast_launches for x in launchers):
+        if ours and not guards and not any(x.fast_launches for x in launchers):
             raise RuntimeError("ours never reached a Launcher's fast path: the harness is stale")
         if args.workload == "train_step" and "ours" in models and not _replays(models["ours"]):
             raise RuntimeError("ours' norm group never replayed: the harness is stale")
@@ -432,11 +475,13 @@ def main(argv=None) -> list[dict]:
         f"layers × 7 adapted projections, hidden {args.hidden}",
         "step_hook": f"the optimizer-step hook ('fwd' column), {args.layers} layers × 7 adapted "
         "projections",
+        "guards": f"the compiled forward's guard check ('fwd' column), {args.layers} layers × 7 "
+        "adapted projections",
     }[args.workload]
+    path = "the layers on their CPU tier" if guards else "the fused tier's launches as no-ops"
     print(
-        f"host time of {what}, {args.seq} tokens, r = {args.rank}, bf16, the fused "
-        f"tier's launches as no-ops; medians of {rounds['rounds']} rounds × "
-        f"{rounds['per_round']} steps"
+        f"host time of {what}, {args.seq} tokens, r = {args.rank}, bf16, {path}; medians of "
+        f"{rounds['rounds']} rounds × {rounds['per_round']} steps"
     )
     opt = args.workload == "train_step"
     print(f"{'variant':<10} {'fwd µs':>9} {'bwd µs':>9}" + (f" {'opt µs':>9}" if opt else "")

@@ -81,3 +81,16 @@ def test_harness_times_the_training_step_with_its_optimizer():
     fwd, bwd, opt = (float(v) for v in row.split()[1:4])
     assert fwd > 0 and bwd > 0 and opt > 0  # the optimizer's own column
     assert "opt " in row and "sum" in row
+
+
+def test_harness_times_the_compiled_forwards_guard_check():
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.host_step_cpu", "--workload", "guards",
+         "--layers", "1", "--rounds", "2", "--per-round", "2"],
+        env=env, cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "guard check" in done.stdout and "CPU tier" in done.stdout
+    rows = {line.split()[0]: line.split() for line in done.stdout.splitlines() if line.strip()}
+    assert float(rows["peft_lora"][1]) > 0 and float(rows["ours"][1]) > 0  # µs per check
