@@ -25,9 +25,10 @@ Triton would have picked:
     would miss in every call;
   - the launch options (num_warps, num_stages) and the current CUDA device.
 Everything else goes through ``kernel[grid](...)``: the first call of a key (which compiles
-and returns the kernel), a pointer argument that is not a tensor (None), the Triton
-interpreter (CPU CI), Dynamo tracing (Inductor captures the ``kernel[grid]`` call itself),
-launch hooks set in ``triton.knobs`` (profilers), and ``config.FAST_TRITON_LAUNCH = False``.
+and returns the kernel), a pointer argument that is not a tensor (None), a tensor passed for
+another parameter (it would enter the key as itself), the Triton interpreter (CPU CI),
+Dynamo tracing (Inductor captures the ``kernel[grid]`` call itself), launch hooks set in
+``triton.knobs`` (profilers), and ``config.FAST_TRITON_LAUNCH = False``.
 """
 
 from __future__ import annotations
