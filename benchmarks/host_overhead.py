@@ -30,7 +30,7 @@ def _noop3(a_ptr, b_ptr, n):
 
 @triton.jit
 def _noop25(
-    p0, p1, p2, p3, p4, p5, p6, p7, p8,
+    p0_ptr, p1_ptr, p2_ptr, p3_ptr, p4_ptr, p5_ptr, p6_ptr, p7_ptr, p8_ptr,
     i0, i1, i2, i3, i4, i5, i6, i7, i8, i9, i10, i11, i12, i13, s, e,
     A: tl.constexpr, B: tl.constexpr, C: tl.constexpr,
 ):  # fmt: skip
@@ -83,6 +83,8 @@ def launch_rows(run, big: torch.Tensor) -> None:
         launcher((1,), *pointers, *ints, num_warps=4, **named)
 
     run("Launcher fast path, 25 args + 3 constexpr", fast_path)
+    if not launcher.fast_launches:
+        raise RuntimeError("the Launcher never took its fast path: the rows below would be wrong")
     (c_launch, function, packed), *_ = launcher._compiled.values()
     stream = driver.active.get_current_stream(torch.cuda.current_device())
     head = (1, 1, 1, stream, function, packed, None, None, None)
