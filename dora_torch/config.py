@@ -205,8 +205,8 @@ NORM_DOT_PRECISION = "tf32x3"
 #: How the fused tier assembles the norm (kernels/norm.py): "kernel" (B·G in registers, the
 #: fused kernel above), "gemm" (one cuBLAS GEMM for B·G, then a row-reduction kernel), "pairs"
 #: (the gemm's bf16 products formed in registers: a 16-bit W only) or
-#: "auto": "gemm" from ``NORM_GEMM_MIN_RANK`` up where it keeps the layer's accuracy (a 16-bit
-#: W with ``NORM_GEMM_BF16X3``, or IEEE fp32 matmuls: ``torch.backends.cuda.matmul.allow_tf32``
+#: "auto": from ``NORM_GEMM_MIN_RANK`` up, "pairs" for a 16-bit W with ``NORM_GEMM_BF16X3`` and
+#: "gemm" for an fp32 W with IEEE fp32 matmuls (``torch.backends.cuda.matmul.allow_tf32``
 #: off), "kernel" otherwise. Run 17 (8192 rows, µs, IEEE gemm / best kernel blocks): r = 128:
 #: 24.4 / 19.0; r = 256: 47.7 / 52.1; r = 384: 88.6 / 103.0. At r = 384, batch 1, the step
 #: drops from 65.5 to 59.0 ms (benchmarks/NOTES.md).

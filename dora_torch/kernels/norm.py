@@ -26,9 +26,9 @@ with U = W Aᵀ [d_out, r] and G = A Aᵀ [r, r] (fp32, from GEMMs). Three ways
   (at r = 384 the gemm writes and the rows kernel reads a [rows, 2r] fp32 B·G, ~2 GB per
   8-layer step), and one launch replaces the GEMM and the rows kernel. The same bf16 products
   as ``"gemm"``, summed into one fp32 accumulator instead of two halves added after.
-- ``"auto"`` (``assembly_method``): "gemm" for large r when it keeps the accuracy of the layer
-  (bf16x3 for a 16-bit W, or IEEE fp32 matmuls), else "kernel": the accuracy never depends on
-  a global flag.
+- ``"auto"`` (``assembly_method``): for large r, "pairs" for a 16-bit W (bf16x3) and "gemm"
+  for an fp32 W with IEEE fp32 matmuls, else "kernel": the accuracy never depends on a global
+  flag.
 """
 
 from __future__ import annotations
@@ -109,10 +109,14 @@ ASSEMBLY_METHODS = ("kernel", "gemm", "pairs", "auto")
 
 def assembly_method(r: int, bf16x3: bool = False) -> str:
     """The method ``"auto"`` picks for rank r (module docstring); ``bf16x3``: the layer's W is
-    16-bit, so the gemm may split its operands into bf16 terms. ("pairs", opt-in, is not
-    picked: its GPU timing over row × column blocks is pending, benchmarks/NOTES.md.)"""
-    exact = (bf16x3 and config.NORM_GEMM_BF16X3) or not torch.backends.cuda.matmul.allow_tf32
-    return "gemm" if exact and r >= config.NORM_GEMM_MIN_RANK else "kernel"
+    16-bit, so the gemm's operands may be split into bf16 terms, and "pairs" forms those
+    products in registers instead of writing B·G (0.59-0.88× the gemm at d_out 4096-14336,
+    1.10× at 1024; run 164, benchmarks/NOTES.md session 37)."""
+    pairs = bf16x3 and config.NORM_GEMM_BF16X3
+    exact = pairs or not torch.backends.cuda.matmul.allow_tf32
+    if not exact or r < config.NORM_GEMM_MIN_RANK:
+        return "kernel"
+    return "pairs" if pairs else "gemm"
 
 
 def resolve_method(method: str | None, r: int, bf16x3: bool) -> str:

@@ -56,8 +56,9 @@ def test_norm_assembly_methods_match_eager(method, r):
 
 
 def test_auto_assembly_uses_the_gemm_only_where_it_keeps_the_accuracy(monkeypatch):
-    """An fp32 layer takes the gemm only with IEEE fp32 matmuls; a 16-bit one (bf16x3) always,
-    unless ``config.NORM_GEMM_BF16X3`` is off; "pairs" only when asked for."""
+    """An fp32 layer takes the gemm only with IEEE fp32 matmuls; a 16-bit one (bf16x3) always
+    takes the gemm's bf16 products, formed by the pairs kernel, unless
+    ``config.NORM_GEMM_BF16X3`` is off."""
     from dora_torch import config
     from dora_torch.kernels.norm import assembly_method
 
@@ -67,10 +68,10 @@ def test_auto_assembly_uses_the_gemm_only_where_it_keeps_the_accuracy(monkeypatc
     try:
         matmul.allow_tf32 = False
         assert (assembly_method(31), assembly_method(32)) == ("kernel", "gemm")
-        assert (assembly_method(31, True), assembly_method(32, True)) == ("kernel", "gemm")
+        assert (assembly_method(31, True), assembly_method(32, True)) == ("kernel", "pairs")
         matmul.allow_tf32 = True
         assert assembly_method(384) == "kernel"  # a TF32 cuBLAS GEMM would lose fp32 accuracy
-        assert assembly_method(384, True) == "gemm"  # bf16 products: no TF32 involved
+        assert assembly_method(384, True) == "pairs"  # bf16 products: no TF32 involved
         monkeypatch.setattr(config, "NORM_GEMM_BF16X3", False)
         assert assembly_method(384, True) == "kernel"
     finally:
