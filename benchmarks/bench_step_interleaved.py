@@ -37,8 +37,10 @@ Variants (each on a fresh copy of the 8-layer base, ``lora_alpha = 2r``, AdamW f
   - ``ours_fp32_gemm_assembly``: the gemm assembly's B·G as an fp32 GEMM, not bf16x3
     (``NORM_GEMM_BF16X3`` off; matters from r = ``NORM_GEMM_MIN_RANK``);
   - ``ours_pairs_assembly``: the norm assembled by the pairs kernel (``NORM_ASSEMBLY =
-    "pairs"``, 16-bit layers) at every rank: from r = ``NORM_GEMM_MIN_RANK`` in place of the
-    gemm assembly, up to ``NORM_PASS_MAX_RANK`` in place of the one-pass norm;
+    "pairs"``, 16-bit layers) at every rank: what "auto" picks from r = ``NORM_GEMM_MIN_RANK``
+    (since session 37), and up to ``NORM_PASS_MAX_RANK`` in place of the one-pass norm;
+  - ``ours_gemm_assembly``: the bf16x3 gemm assembly (``NORM_ASSEMBLY = "gemm"``), "auto"'s
+    pick for 16-bit layers from r = ``NORM_GEMM_MIN_RANK`` before session 37;
   - ``ours_recompute``: ``recompute_modules`` for q, k and o (``bench_model_torch.RECOMPUTE``);
   - ``ours_stacked``: ``stack_modules=".*"`` (``bench_model_torch.STACK``; the backward's one
     dx GEMM; eager only: compiled graphs take the two-GEMM path); ``ours_stacked_fwd``: the
@@ -76,6 +78,7 @@ VARIANTS = {
     "ours_no_norm_pass": ("ours", {"NORM_PASS_MAX_RANK": 0}),
     "ours_fp32_gemm_assembly": ("ours", {"NORM_GEMM_BF16X3": False}),
     "ours_pairs_assembly": ("ours", {"NORM_ASSEMBLY": "pairs"}),
+    "ours_gemm_assembly": ("ours", {"NORM_ASSEMBLY": "gemm"}),
     "ours_static_launch": ("ours", {}),
     "ours_recompute": ("ours_recompute", {}),  # recompute_modules (bench_model_torch.RECOMPUTE)
     "ours_stacked": ("ours_stacked", {}),  # stack_modules (bench_model_torch.STACK)
