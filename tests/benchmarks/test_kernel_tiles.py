@@ -74,10 +74,10 @@ def test_candidates_are_distinct_configs(kernel):
 
 
 def test_only_the_form_the_library_runs_is_marked_chosen():
-    assert kt._chosen("norm", 2048, 4096, 384) == "gemm"  # "auto" at r = 384, 16-bit layer
+    assert kt._chosen("norm", 2048, 4096, 384) == "pairs"  # "auto" at r = 384, 16-bit layer
     marked = [n for n in ("chosen", *kt.NORM_FORMS, "copy")
-              if kt._is_chosen("norm", n, kt.candidates("norm").get(n), "gemm")]  # fmt: skip
-    assert marked == ["chosen", "gemm"]
+              if kt._is_chosen("norm", n, kt.candidates("norm").get(n), "pairs")]  # fmt: skip
+    assert marked == ["chosen", "pairs"]
     square = kt.config.LORA_GEMM_SQUARE
     assert kt._is_chosen("compose", "sq128_w4", kt.COMPOSE_CANDIDATES["sq128_w4"], square)
     assert not kt._is_chosen("compose", "copy", None, square)
