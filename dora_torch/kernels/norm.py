@@ -110,7 +110,7 @@ ASSEMBLY_METHODS = ("kernel", "gemm", "pairs", "auto")
 def assembly_method(r: int, bf16x3: bool = False) -> str:
     """The method ``"auto"`` picks for rank r (module docstring); ``bf16x3``: the layer's W is
     16-bit, so the gemm's operands may be split into bf16 terms, and "pairs" forms those
-    products in registers instead of writing B·G (0.59-0.88× the gemm at d_out 4096-14336,
+    products in registers instead of writing B·G (0.61-0.88× the gemm at d_out 4096-14336,
     1.10× at 1024; run 164, benchmarks/NOTES.md session 37)."""
     pairs = bf16x3 and config.NORM_GEMM_BF16X3
     exact = pairs or not torch.backends.cuda.matmul.allow_tf32
