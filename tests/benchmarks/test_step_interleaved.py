@@ -11,6 +11,8 @@ from benchmarks.bench_step_interleaved import (
     FIELDS,
     INDUCTOR_OPTIONS,
     VARIANTS,
+    _line,
+    measure,
     ratios,
     summarize,
     variants_for,
@@ -35,9 +37,14 @@ def test_an_unknown_mode_is_refused_by_name():
         variants_for("jit")
 
 
-def _row(variant, optim, median, mode="eager", batch=1):
+def test_an_unknown_workload_is_refused_by_name():
+    with pytest.raises(ValueError, match="workload must be one of"):
+        measure(16, "bf16", workload="backward")
+
+
+def _row(variant, optim, median, mode="eager", batch=1, workload="train"):
     return {"variant": variant, "optim": optim, "step_median_ms": median, "mode": mode,
-            "rank": 16, "batch": batch, "adapters": "bf16"}  # fmt: skip
+            "rank": 16, "batch": batch, "adapters": "bf16", "workload": workload}  # fmt: skip
 
 
 def test_ratios_compare_each_optimizer_with_lora_under_the_same_optimizer():
@@ -72,3 +79,28 @@ def test_summarize_takes_min_and_median_of_times_and_median_of_gpu_phases():
         "fwd_gpu_median_ms": 20.0, "bwd_gpu_median_ms": 28.0, "opt_gpu_median_ms": 3.0,
     }  # fmt: skip
     assert set(got) <= set(FIELDS)
+
+
+def test_inference_rows_are_held_to_the_inference_target():
+    rows = [_row("peft_lora", "", 20.0, "compile", workload="infer"),
+            _row("ours", "", 20.9, "compile", workload="infer"),
+            _row("ours_rev", "", 21.2, "compile", workload="infer")]  # fmt: skip
+    got = {r["metric"]: (round(r["value"], 6), r["target"], r["ok"]) for r in ratios(rows, "c1")}
+    assert got == {
+        "ours/LoRA infer median [r=16 b=1 compile bf16-adapters]": (1.045, "<= 1.05", True),
+        "ours@c1/LoRA infer median [r=16 b=1 compile bf16-adapters]": (1.06, "<= 1.05", False),
+    }
+
+
+def test_an_inference_call_has_no_backward_or_optimizer_phase():
+    samples = [(20.0, 4.0, None, 19.0, None, None), (22.0, 5.0, None, 21.0, None, None),
+               (21.0, 6.0, None, 20.0, None, None)]  # fmt: skip
+    got = summarize(samples)
+    assert got == {
+        "step_min_ms": 20.0, "step_median_ms": 21.0, "fwd_host_min_ms": 4.0,
+        "fwd_host_median_ms": 5.0, "fwd_gpu_median_ms": 20.0,
+    }  # fmt: skip
+    line = _line({"variant": "ours", **got})
+    assert "bwd" not in line and "opt" not in line and "GPU fwd  20.00" in line
+    train = summarize([(50.0, 5.0, 4.0, 20.0, 28.0, 3.0)])
+    assert "bwd host   4.00" in _line({"variant": "ours", **train})
