@@ -179,8 +179,8 @@ def _inferrer(model, ids, settings: dict, mode: str = "eager", options: dict | N
         events[0].record()
         with torch.no_grad():
             run(input_ids=ids)
-        t1 = time.perf_counter()
         events[1].record()
+        t1 = time.perf_counter()
         torch.cuda.synchronize()
         t2 = time.perf_counter()
         gpu = events[0].elapsed_time(events[1])
