@@ -54,6 +54,11 @@ STACK_FORWARD = False
 #: Recompute the norms of a model's DoRA layers (``accelerate_peft``, ``inject``) with one
 #: CUDA-graph replay per parameter update (``norm_group``); False = layer by layer.
 NORM_GROUP_GRAPHS = True
+#: Streams the norm group's captured graph spreads its members over (member i on stream
+#: i mod this), so that one member's small GEMMs (G = A Aᵀ: 9 output tiles at r = 384; U at
+#: k/v's widths: 24) run beside another's instead of after it; 1 = one stream. Read at
+#: capture: a group captured before a change keeps its graph until its members change.
+NORM_GROUP_STREAMS = 1
 
 #: Compiled training graphs read ‖W‖² from the module's ``dora_base_sq`` buffer (kept by
 #: ``dora_torch.cache``, refreshed eagerly) instead of recomputing it from W in every step,

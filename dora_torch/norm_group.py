@@ -67,6 +67,7 @@ class NormGroup:
         self._static: tuple = ()
         self._failed = False  # a capture raised: no further attempts
         self._listed: list[tuple] | None = None  # the last refresh's members (``_relisted``)
+        self._streams: list[torch.cuda.Stream] = []  # side streams of captures
         self.captures = 0  # for tests and logs
         self.replays = 0
         for module in modules:
@@ -272,10 +273,7 @@ class NormGroup:
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(graph):
-                values = [
-                    compute_state(w, a, b, q, s, "fused", dtype)
-                    for (_, w, a, b, s), q in zip(members, base, strict=True)
-                ]
+                values = _compute_on_streams(members, base, dtype, self._side_streams(members))
                 static = static_outputs(members, values, dtype)
         except Exception as e:  # any capture failure: keep the eager path
             logger.warning(
@@ -289,12 +287,44 @@ class NormGroup:
         self._graph, self._signature, self._static = graph, signature, static
         self.captures += 1
 
+    def _side_streams(self, members) -> list[torch.cuda.Stream]:
+        """``config.NORM_GROUP_STREAMS`` - 1 side streams on the members' device, made once
+        per device (a capture forks onto them and joins them again)."""
+        want = max(1, int(config.NORM_GROUP_STREAMS)) - 1
+        device = members[0][1].device
+        if want and (len(self._streams) != want or self._streams[0].device != device):
+            self._streams = [torch.cuda.Stream(device) for _ in range(want)]
+        return self._streams[:want]
+
     def _replay(self) -> list[tuple]:
         self._graph.replay()
         self.replays += 1
         norms, flat_casts, layout = self._static
         casts = None if flat_casts is None else flat_casts.clone()
         return replay_values(norms.clone(), casts, layout)
+
+
+def _compute_on_streams(members, base, dtype, side) -> list[tuple]:
+    """Every member's (n, a, b), member i on stream i mod (1 + len(side)) of the current
+    stream and ``side``, each side stream forked from the current one and joined back into
+    it. Inside a capture the members become parallel branches of one graph; their kernels and
+    results are the one-stream order's (each member's work stays on one stream, in order)."""
+    if not side:
+        return [
+            compute_state(w, a, b, q, s, "fused", dtype)
+            for (_, w, a, b, s), q in zip(members, base, strict=True)
+        ]
+    main = torch.cuda.current_stream(members[0][1].device)
+    streams = [main, *side]
+    for stream in side:
+        stream.wait_stream(main)
+    values = []
+    for i, ((_, w, a, b, s), q) in enumerate(zip(members, base, strict=True)):
+        with torch.cuda.stream(streams[i % len(streams)]):
+            values.append(compute_state(w, a, b, q, s, "fused", dtype))
+    for stream in side:
+        main.wait_stream(stream)
+    return values
 
 
 def static_outputs(members, values, dtype) -> tuple:

@@ -330,7 +330,12 @@ def _train(model, x, steps, opt_kind="fused"):
 # partials are allocated and zeroed inside the captured graph
 @pytest.mark.parametrize(("assembly", "r"), [("kernel", 4), ("gemm", 4), ("pairs", 40)])
 @pytest.mark.parametrize("adapter_dtype", [None, torch.bfloat16])
-def test_graph_replay_matches_layer_by_layer_on_gpu(monkeypatch, adapter_dtype, assembly, r):
+# two streams: the three members become two branches of the graph (NORM_GROUP_STREAMS)
+@pytest.mark.parametrize("streams", [1, 2])
+def test_graph_replay_matches_layer_by_layer_on_gpu(
+    monkeypatch, adapter_dtype, assembly, r, streams
+):
+    monkeypatch.setattr(config, "NORM_GROUP_STREAMS", streams)
     monkeypatch.setattr(config, "NORM_ASSEMBLY", assembly)
     monkeypatch.setattr(config, "NORM_PAIRS", (16, 16, 16, 4, 2))  # 3 column blocks at r = 40
     x = torch.randn(512, 24, device="cuda", dtype=torch.bfloat16)
@@ -342,6 +347,7 @@ def test_graph_replay_matches_layer_by_layer_on_gpu(monkeypatch, adapter_dtype, 
     losses, params = _train(model, x, 5)
     group = layers[0]._dora_norm_cache.group
     assert group.captures == 1 and group.replays >= 3
+    assert len(group._streams) == streams - 1
     torch.testing.assert_close(losses, want_losses, rtol=0, atol=0)
     for p, q in zip(params, want_params, strict=True):
         torch.testing.assert_close(p, q, rtol=0, atol=0)
