@@ -46,6 +46,12 @@ Variants (each on a fresh copy of the 8-layer base, ``lora_alpha = 2r``, AdamW f
     (since session 37), and up to ``NORM_PASS_MAX_RANK`` in place of the one-pass norm;
   - ``ours_gemm_assembly``: the bf16x3 gemm assembly (``NORM_ASSEMBLY = "gemm"``), "auto"'s
     pick for 16-bit layers from r = ``NORM_GEMM_MIN_RANK`` before session 37;
+  - ``ours_streams``: the norm group's graph over 4 streams (``NORM_GROUP_STREAMS = 4``);
+  - ``ours_norm_buffer``: that, and compiled training graphs read each layer's norm from its
+    buffer, refreshed by one group replay after each optimizer step (``COMPILED_TRAIN_NORM =
+    "buffer"``); in eager mode the same refresh runs in the step hook instead of at the first
+    forward. Both settings are read when the model is accelerated (``BUILD_OVERRIDES``), so
+    these two also run in compiled modes;
   - ``ours_recompute``: ``recompute_modules`` for q, k and o (``bench_model_torch.RECOMPUTE``);
   - ``ours_stacked``: ``stack_modules=".*"`` (``bench_model_torch.STACK``; the backward's one
     dx GEMM; eager only: compiled graphs take the two-GEMM path); ``ours_stacked_fwd``: the
@@ -85,11 +91,19 @@ VARIANTS = {
     "ours_pairs_assembly": ("ours", {"NORM_ASSEMBLY": "pairs"}),
     "ours_gemm_assembly": ("ours", {"NORM_ASSEMBLY": "gemm"}),
     "ours_static_launch": ("ours", {}),
+    "ours_streams": ("ours", {}),
+    "ours_norm_buffer": ("ours", {}),
     "ours_recompute": ("ours_recompute", {}),  # recompute_modules (bench_model_torch.RECOMPUTE)
     "ours_stacked": ("ours_stacked", {}),  # stack_modules (bench_model_torch.STACK)
     "ours_stacked_fwd": ("ours_stacked", {"STACK_FORWARD": True}),
     "ours_recompute_stacked": ("ours_recompute_stacked", {}),  # both (bench_model_torch)
     "peft_dora": ("peft_dora", {}),
+}
+#: ``dora_torch.config`` values set while a variant's model is accelerated (read then, not
+#: per call: compiled variants may have them).
+BUILD_OVERRIDES = {
+    "ours_streams": {"NORM_GROUP_STREAMS": 4},
+    "ours_norm_buffer": {"NORM_GROUP_STREAMS": 4, "COMPILED_TRAIN_NORM": "buffer"},
 }
 #: Inductor options of the compiled variants (``torch.compile(..., options=...)``).
 INDUCTOR_OPTIONS = {"ours_static_launch": {"static_launch_user_defined_triton_kernels": True}}
@@ -97,7 +111,7 @@ INDUCTOR_OPTIONS = {"ours_static_launch": {"static_launch_user_defined_triton_ke
 EAGER_ONLY = {"ours_stacked", "ours_stacked_fwd", "ours_recompute_stacked"}
 #: The variants the summary compares with PEFT LoRA (the others are diagnostics of ours).
 SUMMARIZED = ("ours", "ours_rev", "ours_recompute", "ours_stacked", "ours_stacked_fwd",
-              "ours_recompute_stacked")  # fmt: skip
+              "ours_recompute_stacked", "ours_streams", "ours_norm_buffer")  # fmt: skip
 MODES = ("eager", "compile", "reduce-overhead")
 WORKLOADS = ("train", "infer")
 SWITCHES = sorted({key for _, overrides in VARIANTS.values() for key in overrides})
@@ -157,6 +171,22 @@ def _compiled(model, mode: str, options: dict | None):
     opts = {**(options or {}), **({"triton.cudagraphs": True} if mode != "compile" else {})}
     _allow_recompiles(COMPILED_MODELS_MAX)
     return torch.compile(model, options=opts or None)
+
+
+def _built(name: str, layers: int, provider: str, rank: int):
+    """``bench_model_torch``'s model for ``provider``, wrapped with ``name``'s
+    ``BUILD_OVERRIDES`` in force (restored afterwards)."""
+    from dora_torch import config
+
+    build = BUILD_OVERRIDES.get(name, {})
+    saved = {key: getattr(config, key) for key in build}
+    try:
+        for key, value in build.items():
+            setattr(config, key, value)
+        return bm._wrap(bm.build_base(layers), provider, rank)
+    finally:
+        for key, value in saved.items():
+            setattr(config, key, value)
 
 
 def _inferrer(model, ids, settings: dict, mode: str = "eager", options: dict | None = None):
@@ -262,7 +292,7 @@ def measure(
             # ours_rev: PEFT DoRA accelerated below by the earlier revision's package
             prefix, overrides = ("peft_dora", {}) if name == "ours_rev" else VARIANTS[name]
             torch.manual_seed(0)
-            model = bm._wrap(bm.build_base(layers), f"{prefix}_{adapters}", rank)
+            model = _built(name, layers, f"{prefix}_{adapters}", rank)
             if name == "ours_rev":
                 rev[0].accelerate_peft(model)
             options = INDUCTOR_OPTIONS.get(name)

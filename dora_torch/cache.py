@@ -15,7 +15,8 @@ a registered buffer (``DORA_NORM_BUFFER``) that is refreshed eagerly, outside an
 the module enters eval mode, after ``load_state_dict``, after every optimizer step (one
 norm-group replay for a model's layers), by ``clear_caches`` and by eager calls that
 recompute the norm. A compiled (or CUDA-graphed) eval-mode forward reads that buffer at a
-fixed address.
+fixed address. Modules attached with ``config.COMPILED_TRAIN_NORM = "buffer"`` keep it in
+training mode too, and their compiled training graphs read it instead of computing the norm.
 
 With ``config.COMPILED_BASE_SQ_BUFFER`` on, every module also keeps ‖W‖² in a second buffer
 (``DORA_BASE_SQ_BUFFER``), the cache's own tensor, so eager recomputations update it in place;
@@ -69,10 +70,29 @@ def _count_step(_optimizer, _args, _kwargs) -> None:
 register_optimizer_step_post_hook(_count_step)
 
 
+#: Modules attached while ``config.COMPILED_TRAIN_NORM`` was "buffer" carry this attribute.
+TRAIN_NORM_BUFFER_ATTR = "_dora_train_norm_buffer"
+COMPILED_TRAIN_NORMS = ("graph", "buffer")
+
+
+def compiled_train_norm_buffer() -> bool:
+    """Whether ``config.COMPILED_TRAIN_NORM`` asks modules attached now to keep their norm
+    buffer in training mode ("buffer"); ValueError naming the setting for an unknown value."""
+    where = config.COMPILED_TRAIN_NORM
+    if where not in COMPILED_TRAIN_NORMS:
+        raise ValueError(
+            f"dora_torch.config.COMPILED_TRAIN_NORM must be one of {COMPILED_TRAIN_NORMS}; "
+            f"got {where!r}"
+        )
+    return where == "buffer"
+
+
 def keeps_norm_buffer(module: torch.nn.Module) -> bool:
     """Whether compiled graphs of ``module`` read its norm buffer, which must then follow
-    every update: in eval mode (training graphs compute the norm themselves)."""
-    return not module.training
+    every update: in eval mode, and in training mode too for a module attached with
+    ``config.COMPILED_TRAIN_NORM = "buffer"`` (otherwise training graphs compute the norm
+    themselves)."""
+    return not module.training or getattr(module, TRAIN_NORM_BUFFER_ATTR, False)
 
 
 def refresh_buffers(modules) -> None:
@@ -258,8 +278,10 @@ def attach(module: torch.nn.Module, tensors, weight_of) -> NormCache:
     ``weight_of(module)`` returns its frozen W alone, cheaply (the step hook asks for it per
     layer per step).
     """
+    train_buffer = compiled_train_norm_buffer()
     cache = NormCache()
     cache._module = weakref.ref(module)
+    setattr(module, TRAIN_NORM_BUFFER_ATTR, train_buffer)  # fixed for the module's life
     module._dora_norm_cache = cache
     module._dora_tensors = tensors
     module._dora_weight = weight_of
@@ -294,6 +316,7 @@ def detach_cache(module: torch.nn.Module) -> None:
     module.__dict__.pop("_dora_norm_cache", None)
     module.__dict__.pop("_dora_tensors", None)
     module.__dict__.pop("_dora_weight", None)
+    module.__dict__.pop(TRAIN_NORM_BUFFER_ATTR, None)
 
 
 def track_mode(module: torch.nn.Module) -> None:

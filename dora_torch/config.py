@@ -56,9 +56,19 @@ STACK_FORWARD = False
 NORM_GROUP_GRAPHS = True
 #: Streams the norm group's captured graph spreads its members over (member i on stream
 #: i mod this), so that one member's small GEMMs (G = A Aᵀ: 9 output tiles at r = 384; U at
-#: k/v's widths: 24) run beside another's instead of after it; 1 = one stream. Read at
-#: capture: a group captured before a change keeps its graph until its members change.
+#: k/v's widths: 24) run beside another's instead of after it; 1 = one stream. Read when a
+#: group is made (``accelerate_peft``, ``inject``, ``norm_group.group_norms``).
 NORM_GROUP_STREAMS = 1
+
+#: Where a compiled training graph takes each layer's norm from: "graph" computes it inside
+#: the graph from A and B as they are at the call; "buffer" reads the module's norm buffer,
+#: which is then kept in training mode too and refreshed eagerly after every optimizer step
+#: (one norm-group replay for the model, on ``NORM_GROUP_STREAMS`` streams), as compiled eval
+#: graphs read it. With "buffer", rule 5's limit of docs/design.md §8 reaches training graphs:
+#: an in-place write to A or B outside an optimizer step (``lora_B.mul_(2)`` under no_grad)
+#: is seen at the next optimizer step, eager call or ``clear_caches``. Read when a layer is
+#: built or accelerated (``dora_torch.Linear``, ``inject``, ``accelerate_peft``).
+COMPILED_TRAIN_NORM = "graph"
 
 #: Compiled training graphs read ‖W‖² from the module's ``dora_base_sq`` buffer (kept by
 #: ``dora_torch.cache``, refreshed eagerly) instead of recomputing it from W in every step,

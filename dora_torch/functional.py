@@ -12,6 +12,7 @@ from .cache import (
     NormCache,
     compiled_base_sq,
     detached_cast,
+    keeps_norm_buffer,
     write_norm_buffer,
 )
 from .config import EPS
@@ -102,8 +103,10 @@ def module_dora_linear(
     parameter update). Compiled graphs cannot run the cache's checks: in eval mode they read
     the module's norm buffer (refreshed eagerly, ``dora_torch.cache``); in training mode they
     compute the norm in the graph, from the ‖W‖² buffer when ``config.COMPILED_BASE_SQ_BUFFER``
-    is on. ``stack``: the module's stacked weights (``dora_torch.stacking``), used by eager
-    fused calls without dropout or recomputation while they still hold W. Returns (y, tier)."""
+    is on, or read the norm buffer too where the module was attached with
+    ``config.COMPILED_TRAIN_NORM = "buffer"``. ``stack``: the module's stacked weights
+    (``dora_torch.stacking``), used by eager fused calls without dropout or recomputation
+    while they still hold W. Returns (y, tier)."""
     checks.check_input(x, weight)
     compiling = torch.compiler.is_compiling()
     if exact_norm_grad:
@@ -114,7 +117,7 @@ def module_dora_linear(
             recompute_inner=recompute_inner,
         )  # fmt: skip
     if compiling:
-        norm = getattr(module, DORA_NORM_BUFFER, None) if not module.training else None
+        norm = getattr(module, DORA_NORM_BUFFER, None) if keeps_norm_buffer(module) else None
         if norm is not None and (
             norm.shape != magnitude.shape or norm.dtype != compute_dtype(weight.dtype)
         ):
@@ -135,8 +138,8 @@ def module_dora_linear(
     computed = cache.norm_computations
     entry = cache.state(weight, lora_A, lora_B, scaling, impl=tier, dtype=x.dtype)
     norm, a, b = entry
-    if computed != cache.norm_computations and not module.training:
-        write_norm_buffer(module, norm)  # eager eval calls keep the compiled graphs' copy fresh
+    if computed != cache.norm_computations and keeps_norm_buffer(module):
+        write_norm_buffer(module, norm)  # eager calls keep the compiled graphs' copy fresh
     stacked = None
     if (
         stack is not None

@@ -67,19 +67,25 @@ class NormGroup:
         self._static: tuple = ()
         self._failed = False  # a capture raised: no further attempts
         self._listed: list[tuple] | None = None  # the last refresh's members (``_relisted``)
-        self._streams: list[torch.cuda.Stream] = []  # side streams of captures
+        #: Streams a capture spreads the members over (``config.NORM_GROUP_STREAMS`` when
+        #: the group is made); the side streams themselves are made at the first capture.
+        self.streams = max(1, int(config.NORM_GROUP_STREAMS))
+        self._streams: list[torch.cuda.Stream] = []
         self.captures = 0  # for tests and logs
         self.replays = 0
         for module in modules:
             self.add(module)
 
     def __getstate__(self) -> dict:
-        """Pickled as its live members (a captured graph reads addresses no copy shares)."""
-        return {"members": [m for m in (ref() for ref in self._members) if m is not None]}
+        """Pickled as its live members and stream count (a captured graph reads addresses no
+        copy shares)."""
+        members = [m for m in (ref() for ref in self._members) if m is not None]
+        return {"members": members, "streams": self.streams}
 
     def __setstate__(self, state: dict) -> None:
         self.__init__()
         self._members = [weakref.ref(m) for m in state["members"]]
+        self.streams = state.get("streams", self.streams)
 
     def add(self, module: torch.nn.Module) -> None:
         """Make ``module`` (which has a ``cache.attach``-ed NormCache) a member."""
@@ -219,10 +225,10 @@ class NormGroup:
         for a refresh, whose request no longer matches the list (``refresh`` then looks at
         every member). What a refresh writes outside the entries, compiled graphs read
         unchecked, so it must be the module's own: ‖W‖² (in place, and the buffer compiled
-        training graphs read), hence the check of W; the norm buffer of an eval-mode member,
-        hence no list while one keeps it. A member that stops asking costs its norm's share
-        of each replay until the next full look (``add``, ``remove``, or a request the group
-        cannot serve)."""
+        training graphs read), hence the check of W; the norm buffer of a member that keeps
+        one (eval mode, or ``COMPILED_TRAIN_NORM``), hence no list while one does. A member
+        that stops asking costs its norm's share of each replay until the next full look
+        (``add``, ``remove``, or a request the group cannot serve)."""
         listed = self._listed
         if listed is None:
             return None
@@ -288,9 +294,9 @@ class NormGroup:
         self.captures += 1
 
     def _side_streams(self, members) -> list[torch.cuda.Stream]:
-        """``config.NORM_GROUP_STREAMS`` - 1 side streams on the members' device, made once
-        per device (a capture forks onto them and joins them again)."""
-        want = max(1, int(config.NORM_GROUP_STREAMS)) - 1
+        """``self.streams`` - 1 side streams on the members' device, made once per device (a
+        capture forks onto them and joins them again)."""
+        want = self.streams - 1
         device = members[0][1].device
         if want and (len(self._streams) != want or self._streams[0].device != device):
             self._streams = [torch.cuda.Stream(device) for _ in range(want)]

@@ -258,6 +258,7 @@ def accelerate_peft(
     ``stack_modules`` selects no layer that is accelerated; nothing is changed then.
     """
     check_impl(impl)
+    cache.compiled_train_norm_buffer()  # an unknown setting raises before anything changes
     recompute_modules = check_module_selection(recompute_modules, "recompute_modules")
     stack_modules = check_module_selection(stack_modules, "stack_modules")
     LoraLayer, LoraLinear, DoraLinearVariant = _peft_classes()

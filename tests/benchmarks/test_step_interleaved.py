@@ -28,7 +28,8 @@ def test_eager_runs_every_variant_without_inductor_options():
 @pytest.mark.parametrize("mode", ["compile", "reduce-overhead"])
 def test_compiled_modes_run_only_variants_without_config_overrides(mode):
     got = variants_for(mode)
-    assert got == ["peft_lora", "ours", "ours_static_launch", "ours_recompute", "peft_dora"]
+    assert got == ["peft_lora", "ours", "ours_static_launch", "ours_streams", "ours_norm_buffer",
+                   "ours_recompute", "peft_dora"]  # fmt: skip
     assert variants_for(mode, {"peft_lora", "ours", "ours_layer_norms"}) == ["peft_lora", "ours"]
 
 
@@ -104,3 +105,28 @@ def test_an_inference_call_has_no_backward_or_optimizer_phase():
     assert "bwd" not in line and "opt" not in line and "GPU fwd  20.00" in line
     train = summarize([(50.0, 5.0, 4.0, 20.0, 28.0, 3.0)])
     assert "bwd host   4.00" in _line({"variant": "ours", **train})
+
+
+def test_build_overrides_hold_while_the_model_is_built_and_are_restored(monkeypatch):
+    """``BUILD_OVERRIDES``: the config a variant's model is accelerated under, and nothing
+    after it (the next variant's build, the steps) sees it."""
+    from benchmarks import bench_step_interleaved as si
+    from dora_torch import config
+
+    seen = []
+
+    def wrap(base, provider, rank):
+        seen.append((provider, config.NORM_GROUP_STREAMS, config.COMPILED_TRAIN_NORM))
+        if rank < 0:
+            raise RuntimeError("build failed")
+        return base
+
+    monkeypatch.setattr(si.bm, "build_base", lambda layers: layers)
+    monkeypatch.setattr(si.bm, "_wrap", wrap)
+    assert si._built("ours_norm_buffer", 8, "ours_bf16", 16) == 8
+    with pytest.raises(RuntimeError, match="build failed"):
+        si._built("ours_streams", 8, "ours_bf16", -1)
+    si._built("ours", 8, "ours_bf16", 16)
+    assert seen == [("ours_bf16", 4, "buffer"), ("ours_bf16", 4, "graph"),
+                    ("ours_bf16", 1, "graph")]  # fmt: skip
+    assert (config.NORM_GROUP_STREAMS, config.COMPILED_TRAIN_NORM) == (1, "graph")

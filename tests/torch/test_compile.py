@@ -278,3 +278,85 @@ def test_compiled_training_base_sq_follows_loads_and_steps_and_its_limit(monkeyp
         layer.weight.mul_(0.5)
         layer.train()  # a mode switch (here to the mode it had) refreshes it too
         torch.testing.assert_close(compiled(x), uncached_output(layer, x), rtol=1e-6, atol=1e-6)
+
+
+def _optimizer(kind, params):
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+    return torch.optim.AdamW(
+        params, lr=0.05, fused=kind == "fused", foreach=kind == "foreach" or None
+    )
+
+
+@pytest.mark.parametrize("kind", ["fused", "foreach", "forloop", "sgd"])
+def test_compiled_training_reads_a_norm_buffer_fresh_after_every_step(monkeypatch, kind):
+    """``config.COMPILED_TRAIN_NORM = "buffer"``: the compiled training graph computes no
+    norm (three products fewer than with "graph": U = W Aᵀ, G = A Aᵀ and B·G, and no square
+    root), and reads one that every kind of optimizer step has refreshed: its output equals an
+    uncached call's."""
+    from torch._dynamo.testing import AotEagerAndRecordGraphs
+
+    from dora_torch import config
+
+    torch._dynamo.reset()
+    x = torch.randn(5, 24)
+    _, in_graph = _compiled_train_graphs(_layer().train(), x)
+    monkeypatch.setattr(config, "COMPILED_TRAIN_NORM", "buffer")
+    torch._dynamo.reset()
+    layer = _layer().train()
+    backend = AotEagerAndRecordGraphs()
+    compiled = torch.compile(layer, fullgraph=True, backend=backend)
+    opt = _optimizer(kind, [p for p in layer.parameters() if p.requires_grad])
+    for _ in range(3):
+        opt.zero_grad()
+        y = compiled(x)
+        torch.testing.assert_close(y, uncached_output(layer, x), rtol=1e-6, atol=1e-6)
+        y.square().mean().backward()
+        opt.step()
+    (graph,) = {g.code for g in backend.fw_graphs}  # traced once, across the steps
+    assert graph.count("aten.mm") == in_graph.count("aten.mm") - 3
+    assert "aten.sqrt" in in_graph and "aten.sqrt" not in graph
+
+
+@pytest.mark.parametrize("where", ["graph", "buffer"])
+def test_compiled_training_sees_in_place_writes_per_compiled_train_norm(monkeypatch, where):
+    """ "graph" computes the norm from A and B at each call, so an in-place write under
+    no_grad is seen at once; "buffer" has eval mode's documented limit (docs/design.md §8,
+    rule 5): the write is seen after the next optimizer step, eager call or clear_caches."""
+    from dora_torch import config
+
+    monkeypatch.setattr(config, "COMPILED_TRAIN_NORM", where)
+    torch._dynamo.reset()
+    layer = _layer().train()
+    x = torch.randn(4, 24)
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    close = {"rtol": 1e-6, "atol": 1e-6}
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), uncached_output(layer, x), **close)
+        layer.lora_B.mul_(1.5)
+        fresh = torch.allclose(compiled(x), uncached_output(layer, x), **close)
+        assert fresh is (where == "graph")
+        layer(x)  # an eager call recomputes the norm and writes the buffer
+        torch.testing.assert_close(compiled(x), uncached_output(layer, x), **close)
+        layer.lora_A.mul_(0.5)
+    opt = torch.optim.SGD([layer.lora_A], lr=0.0)
+    layer.lora_A.grad = torch.zeros_like(layer.lora_A)
+    opt.step()
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), uncached_output(layer, x), **close)
+        layer.lora_B.data.mul_(2.0)  # past every check: clear_caches
+        dora_torch.clear_caches(layer)
+        torch.testing.assert_close(compiled(x), uncached_output(layer, x), **close)
+
+
+def test_an_unknown_compiled_train_norm_is_refused_by_name_before_any_change(monkeypatch):
+    from dora_torch import config
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
+    before = [type(m) for m in model.modules()]
+    monkeypatch.setattr(config, "COMPILED_TRAIN_NORM", "graphs")
+    with pytest.raises(ValueError, match="COMPILED_TRAIN_NORM must be one of"):
+        dora_torch.inject(model, target_modules=["0", "1"], r=2, lora_alpha=4)
+    assert [type(m) for m in model.modules()] == before
+    with pytest.raises(ValueError, match="COMPILED_TRAIN_NORM"):
+        dora_torch.Linear(8, 4, r=2, lora_alpha=4)

@@ -149,3 +149,47 @@ def test_compiled_training_reading_the_base_sq_buffer_matches_eager(monkeypatch,
             opt.step()
         for a, b in zip(_params(layer), _params(twin)):
             torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("mode", [None, "reduce-overhead"])
+def test_compiled_training_reading_the_norm_buffer_matches_eager(monkeypatch, mode):
+    """``config.COMPILED_TRAIN_NORM = "buffer"`` with the norm group on two streams: the
+    training graph (Inductor, and CUDA graphs under reduce-overhead) reads norms that one
+    group replay refreshed after each fused AdamW step; four steps stay with an eager twin's,
+    and each step's output is an uncached call's."""
+    from dora_torch import config
+    from dora_torch.interop.inject import dora_layers
+
+    monkeypatch.setattr(config, "COMPILED_TRAIN_NORM", "buffer")
+    monkeypatch.setattr(config, "NORM_GROUP_STREAMS", 2)
+    torch._dynamo.reset()
+
+    def model():
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(256, 192), nn.GELU(), nn.Linear(192, 128)).cuda()
+        dora_torch.inject(net.to(torch.bfloat16), target_modules=["0", "2"], r=16,
+                          lora_alpha=24)  # fmt: skip
+        with torch.no_grad():
+            for layer in dora_layers(net).values():
+                layer.lora_B.normal_(0, 0.05)
+        return net
+
+    net, twin = model(), model()
+    layers = list(dora_layers(net).values())
+    trained = [[p for p in m.parameters() if p.requires_grad] for m in (net, twin)]
+    compiled = torch.compile(net, mode=mode)
+    opts = [torch.optim.AdamW(params, lr=1e-2, fused=True) for params in trained]
+    x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)
+    for _ in range(4):
+        for run, opt in zip((compiled, twin), opts):
+            torch.compiler.cudagraph_mark_step_begin()
+            opt.zero_grad(set_to_none=True)
+            run(x).float().square().mean().backward()
+            opt.step()
+        for layer in layers:
+            n = dora_torch.factored_norm(layer.weight, layer.lora_A, layer.lora_B, layer.scaling)
+            torch.testing.assert_close(layer.dora_norm, n, rtol=1e-6, atol=0)
+        for a, b in zip(*trained, strict=True):
+            torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
+    group = layers[0]._dora_norm_cache.group
+    assert group.streams == 2 and group.replays >= 3
