@@ -360,3 +360,20 @@ def test_an_unknown_compiled_train_norm_is_refused_by_name_before_any_change(mon
     assert [type(m) for m in model.modules()] == before
     with pytest.raises(ValueError, match="COMPILED_TRAIN_NORM"):
         dora_torch.Linear(8, 4, r=2, lora_alpha=4)
+
+
+def test_a_pending_compiled_backward_refuses_a_norm_buffer_refreshed_under_it(monkeypatch):
+    """With "buffer", a compiled forward saves the buffer it read; an optimizer step before
+    that forward's backward refreshes the buffer in place, and autograd then refuses the
+    backward instead of computing gradients with the newer norm."""
+    from dora_torch import config
+
+    monkeypatch.setattr(config, "COMPILED_TRAIN_NORM", "buffer")
+    torch._dynamo.reset()
+    layer = _layer().train()
+    y = torch.compile(layer, fullgraph=True, backend="aot_eager")(torch.randn(5, 24))
+    dummy = torch.zeros(1, requires_grad=True)
+    dummy.grad = torch.zeros(1)
+    torch.optim.SGD([dummy], lr=0.1).step()  # any step refreshes every buffer
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.square().sum().backward()
