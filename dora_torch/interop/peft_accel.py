@@ -214,6 +214,15 @@ def _accelerated_train(self, mode: bool = True):
     return self
 
 
+def _accelerated_set_adapter(self, *args, **kwargs):
+    """PEFT's ``set_adapter`` (also what ``enable_adapters(True)`` and ``delete_adapter`` of an
+    active adapter call), then the buffers compiled graphs read refreshed for the adapter now
+    active: the module keeps one norm buffer, and a compiled graph guarded on the new adapter
+    would otherwise read the norm of the one before."""
+    type(self).set_adapter(self, *args, **kwargs)
+    cache.track_mode(self)
+
+
 def _is_accelerated(module) -> bool:
     fwd = module.__dict__.get("forward")
     return getattr(fwd, "func", None) is _accelerated_forward
@@ -293,6 +302,7 @@ def accelerate_peft(
             # of a module-level function does not
             module.forward = functools.partial(_accelerated_forward, module)
             module.train = functools.partial(_accelerated_train, module)
+            module.set_adapter = functools.partial(_accelerated_set_adapter, module)
             cache.attach(module, _adapter_tensors, _base_weight)
         report.accelerated.append(name)
     if report.accelerated:  # one norm recomputation per parameter update for all of them
@@ -314,6 +324,7 @@ def restore_peft(peft_model: nn.Module) -> nn.Module:
         if _is_accelerated(module):
             del module.forward
             del module.train
+            module.__dict__.pop("set_adapter", None)  # absent on layers accelerated before it
             cache.detach_cache(module)
             for attr in (IMPL_ATTR, RECOMPUTE_ATTR, STACK_ATTR, "last_impl"):
                 module.__dict__.pop(attr, None)

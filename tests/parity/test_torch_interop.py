@@ -190,6 +190,47 @@ def test_switching_adapters_follows_peft_through_training(impl):
     _assert_ours_ran(ours, ("fused",) if impl == "fused" else ("eager", "fused"))
 
 
+@pytest.mark.parametrize("where", ["eval", "train_buffer"])
+def test_compiled_graphs_reading_the_norm_buffer_follow_adapter_switches(monkeypatch, where):
+    """A compiled graph that reads the layers' norm buffers (eval mode; training mode with
+    ``COMPILED_TRAIN_NORM = "buffer"``) gives PEFT's logits right after ``set_adapter``, after
+    the adapters are disabled and enabled again, and after the active adapter is deleted. The
+    module keeps one buffer: before the switch refreshed it, a graph guarded on the new
+    adapter read the norm of the one before (0.095 off in the logits)."""
+    from peft import LoraConfig
+
+    monkeypatch.setattr(config, "COMPILED_TRAIN_NORM", "buffer" if where != "eval" else "graph")
+    torch._dynamo.reset()
+
+    def build():
+        pm = peft_dora(tiny_llama(), target_modules=ALL_PROJ)
+        pm.add_adapter("other", LoraConfig(r=4, lora_alpha=8, use_dora=True,
+                                           target_modules=ALL_PROJ))  # fmt: skip
+        randomize_dora(pm, seed=1)
+        return pm.train(where != "eval")
+
+    ours, ref = build(), build()
+    accelerate_peft(ours, impl="eager")
+    ids = token_ids(ref.base_model.model.config)
+    compiled = torch.compile(ours, backend="aot_eager")
+
+    def check():
+        with torch.no_grad():
+            torch.testing.assert_close(compiled(ids).logits, ref(ids).logits,
+                                       rtol=1e-5, atol=1e-6)  # fmt: skip
+
+    check()
+    for m in (ours, ref):
+        m.set_adapter("other")
+    check()
+    with ours.disable_adapter(), ref.disable_adapter():
+        check()
+    check()
+    for m in (ours, ref):
+        m.delete_adapter("other")  # the active one: PEFT makes "default" active again
+    check()
+
+
 def test_training_steps_and_save_pretrained_after_acceleration(tmp_path):
     from peft import PeftModel
 
