@@ -208,19 +208,19 @@ def _accelerated_forward(self, x, *args, **kwargs):
     return y
 
 
-def _accelerated_train(self, mode: bool = True):
-    type(self).train(self, mode)
-    cache.track_mode(self)  # eval: the compiled graphs' norm buffer is refreshed now
-    return self
+#: PEFT layer methods after which an accelerated layer refreshes the buffers compiled graphs
+#: read (``cache.track_mode``): ``train`` (eval mode keeps a norm buffer), ``set_adapter``
+#: (also what ``enable_adapters(True)`` and ``delete_adapter`` of an active adapter call: the
+#: module keeps one norm buffer, and a graph guarded on the new adapter would read the norm
+#: of the one before) and ``unmerge`` (W is written back, not bit for bit).
+REFRESHING_METHODS = ("train", "set_adapter", "unmerge")
 
 
-def _accelerated_set_adapter(self, *args, **kwargs):
-    """PEFT's ``set_adapter`` (also what ``enable_adapters(True)`` and ``delete_adapter`` of an
-    active adapter call), then the buffers compiled graphs read refreshed for the adapter now
-    active: the module keeps one norm buffer, and a compiled graph guarded on the new adapter
-    would otherwise read the norm of the one before."""
-    type(self).set_adapter(self, *args, **kwargs)
+def _refreshing(self, name: str, *args, **kwargs):
+    """PEFT's method ``name`` on ``self``, then its buffers refreshed (``REFRESHING_METHODS``)."""
+    out = getattr(type(self), name)(self, *args, **kwargs)
     cache.track_mode(self)
+    return out
 
 
 def _is_accelerated(module) -> bool:
@@ -301,8 +301,8 @@ def accelerate_peft(
             # partials, not bound methods: they pickle (``torch.save(model)``), a bound method
             # of a module-level function does not
             module.forward = functools.partial(_accelerated_forward, module)
-            module.train = functools.partial(_accelerated_train, module)
-            module.set_adapter = functools.partial(_accelerated_set_adapter, module)
+            for method in REFRESHING_METHODS:
+                setattr(module, method, functools.partial(_refreshing, module, method))
             cache.attach(module, _adapter_tensors, _base_weight)
         report.accelerated.append(name)
     if report.accelerated:  # one norm recomputation per parameter update for all of them
@@ -323,8 +323,8 @@ def restore_peft(peft_model: nn.Module) -> nn.Module:
     for module in peft_model.modules():
         if _is_accelerated(module):
             del module.forward
-            del module.train
-            module.__dict__.pop("set_adapter", None)  # absent on layers accelerated before it
+            for method in REFRESHING_METHODS:  # some absent on layers pickled before them
+                module.__dict__.pop(method, None)
             cache.detach_cache(module)
             for attr in (IMPL_ATTR, RECOMPUTE_ATTR, STACK_ATTR, "last_impl"):
                 module.__dict__.pop(attr, None)

@@ -196,7 +196,8 @@ def test_compiled_graphs_reading_the_norm_buffer_follow_adapter_switches(monkeyp
     ``COMPILED_TRAIN_NORM = "buffer"``) gives PEFT's logits right after ``set_adapter``, after
     the adapters are disabled and enabled again, and after the active adapter is deleted. The
     module keeps one buffer: before the switch refreshed it, a graph guarded on the new
-    adapter read the norm of the one before (0.095 off in the logits)."""
+    adapter read the norm of the one before (0.095 off in the logits). After a merge and
+    unmerge (W written back, not bit for bit) it gives the eager call's logits exactly."""
     from peft import LoraConfig
 
     monkeypatch.setattr(config, "COMPILED_TRAIN_NORM", "buffer" if where != "eval" else "graph")
@@ -229,6 +230,11 @@ def test_compiled_graphs_reading_the_norm_buffer_follow_adapter_switches(monkeyp
     for m in (ours, ref):
         m.delete_adapter("other")  # the active one: PEFT makes "default" active again
     check()
+    with torch.no_grad():
+        ours.merge_adapter()
+        ours.unmerge_adapter()
+        got = compiled(ids).logits  # before any eager call could refresh the buffers
+        assert torch.equal(got, ours(ids).logits)
 
 
 def test_training_steps_and_save_pretrained_after_acceleration(tmp_path):
