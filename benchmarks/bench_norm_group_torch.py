@@ -21,6 +21,9 @@ import statistics
 from benchmarks.measure import positive_int, write_csv
 from benchmarks.work_floor import LLAMA_8B_PROJECTIONS
 
+#: A probe with its own command line: ``make gpu`` (benchmarks/run.py) skips it.
+IN_MAKE_GPU = False
+
 FIELDS = ["date", "commit", "gpu", "rank", "layers", "streams", "replay_median_ms",
           "replay_min_ms", "vs_one_stream", "bit_equal"]  # fmt: skip
 
