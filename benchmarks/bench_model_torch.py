@@ -30,9 +30,9 @@ Metrics, medians of CUDA-event-timed calls after warm-up:
   - ``infer_ms``: a no-grad forward in eval mode (adapters unchanged between calls);
     ``infer_dora_cached_ms``: PEFT DoRA inside ``peft.helpers.DoraCaching`` (PEFT's own norm
     cache), so PEFT is compared cached against cached; ``infer_norm_recomputed_ms``: ours
-    with every norm made stale before each call (an optimizer step on a dummy parameter,
-    ``norm_invalidator``), as inference right after each training update would run, beside
-    ours' cached row and PEFT's uncached one.
+    with every norm made stale before each call (a step of an optimizer over its parameters
+    that changes none, ``norm_invalidator``), as inference right after each training update
+    would run, beside ours' cached row and PEFT's uncached one.
   - ``train_peak_gib``: peak allocated during one step over what was allocated before it
     (weights, adapters, optimizer state).
 
@@ -223,16 +223,16 @@ def measure_train(model, run, ids, mode: str, optim: str) -> dict:
     return {"train_ms": ms, "train_peak_gib": peak}
 
 
-def norm_invalidator(device="cuda"):
-    """A callable that makes every cached DoRA norm of ours stale, as a training update does:
-    one step of an optimizer over a dummy parameter. ``dora_torch`` counts every
-    ``torch.optim.Optimizer`` step (docs/design.md §8, rule 2), so the next call recomputes
-    its norms (eval-mode modules refresh their norm buffer in the step's hook)."""
+def norm_invalidator(model):
+    """A callable that makes every cached DoRA norm of ``model`` stale, as a training update
+    does: one step of an optimizer that holds its trainable parameters and changes none (lr
+    0; parameters without a gradient are skipped). ``dora_torch`` counts every
+    ``torch.optim.Optimizer`` step (docs/design.md §8, rule 2), and the step's hook recomputes
+    the norms of eval-mode modules whose W, A or B the stepped optimizer holds (the buffers
+    compiled eval graphs read; eager calls then read the same entries)."""
     import torch
 
-    dummy = torch.zeros(1, device=device, requires_grad=True)
-    dummy.grad = torch.zeros_like(dummy)
-    return torch.optim.SGD([dummy], lr=0.0).step
+    return torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.0).step
 
 
 def measure_infer(
@@ -241,7 +241,7 @@ def measure_infer(
     import torch
 
     model.eval()
-    invalidate = norm_invalidator(ids.device) if norm_recomputed else None
+    invalidate = norm_invalidator(model) if norm_recomputed else None
 
     def infer():
         _mark_step(mode)

@@ -189,21 +189,27 @@ def _built(name: str, layers: int, provider: str, rank: int):
             setattr(config, key, value)
 
 
+def _begin(settings: dict, mode: str) -> None:
+    """Before a timed call: the variant's ``dora_torch.config`` values, and a new CUDA-graph
+    step under reduce-overhead."""
+    from dora_torch import config
+
+    for key, value in settings.items():
+        setattr(config, key, value)
+    bm._mark_step(mode)
+
+
 def _inferrer(model, ids, settings: dict, mode: str = "eager", options: dict | None = None):
     """One timed no-grad forward of ``model`` in eval mode (``SAMPLES`` order, None for the
     backward's and the optimizer's entries)."""
     import torch
-
-    from dora_torch import config
 
     model.eval()
     run = _compiled(model, mode, options)
     events = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
 
     def call():
-        for key, value in settings.items():
-            setattr(config, key, value)
-        bm._mark_step(mode)
+        _begin(settings, mode)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         events[0].record()
@@ -224,8 +230,6 @@ def _stepper(
 ):
     import torch
 
-    from dora_torch import config
-
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-6, foreach=optim == "foreach", fused=optim == "fused")
     model.train()
@@ -234,9 +238,7 @@ def _stepper(
     events = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
 
     def step():
-        for key, value in settings.items():
-            setattr(config, key, value)
-        bm._mark_step(mode)
+        _begin(settings, mode)
         opt.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
         t0 = time.perf_counter()

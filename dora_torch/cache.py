@@ -12,9 +12,10 @@ calls between two optimizer steps pay for the norm once.
 
 Compiled graphs cannot run these Python checks, so modules in eval mode also keep the norm in
 a registered buffer (``DORA_NORM_BUFFER``) that is refreshed eagerly, outside any graph: when
-the module enters eval mode, after ``load_state_dict``, after every optimizer step (one
-norm-group replay for a model's layers), by ``clear_caches`` and by eager calls that
-recompute the norm. A compiled (or CUDA-graphed) eval-mode forward reads that buffer at a
+the module enters eval mode, after ``load_state_dict``, after every step of an optimizer that
+holds the module's W, A or B (one norm-group replay for a model's layers; the buffers of
+other models stay as they are), by ``clear_caches`` and by eager calls that recompute the
+norm. A compiled (or CUDA-graphed) eval-mode forward reads that buffer at a
 fixed address. Modules attached with ``config.COMPILED_TRAIN_NORM = "buffer"`` keep it in
 training mode too, and their compiled training graphs read it instead of computing the norm.
 
@@ -61,10 +62,10 @@ def optimizer_steps() -> int:
     return _optimizer_steps
 
 
-def _count_step(_optimizer, _args, _kwargs) -> None:
+def _count_step(optimizer, _args, _kwargs) -> None:
     global _optimizer_steps
     _optimizer_steps += 1
-    refresh_buffers(list(_cached_modules))
+    refresh_buffers(list(_cached_modules), stepped=optimizer)
 
 
 register_optimizer_step_post_hook(_count_step)
@@ -95,25 +96,54 @@ def keeps_norm_buffer(module: torch.nn.Module) -> bool:
     return not module.training or getattr(module, TRAIN_NORM_BUFFER_ATTR, False)
 
 
-def refresh_buffers(modules) -> None:
+def refresh_buffers(modules, stepped: torch.optim.Optimizer | None = None) -> None:
     """Bring the norm buffers (of modules that keep one) and ‖W‖² buffers of ``modules`` up to
     date after an update: one ``NormGroup.refresh_buffers`` per group with such a member
-    (one replay for all its layers), then module by module what no group covered."""
-    groups, pending = [], []  # pending: (module, its cache, whether it keeps a norm buffer)
+    (one replay for all its layers), then module by module what no group covered.
+
+    ``stepped``: the optimizer whose step this follows. Its step changed no other tensors
+    than its parameters, so a norm buffer is refreshed only where it holds the module's W, A
+    or B (a group's, where it holds one member's): another model in the process (a reference
+    or teacher model in eval mode) keeps its buffers, instead of recomputing every norm after
+    each step of the model being trained. ‖W‖² is checked for every module either way."""
+    held = _Holds(stepped)
+    groups, pending = [], []  # pending: (module, its cache, whether its norm buffer follows)
     for module in modules:
         norm_cache = module_cache(module)
         if norm_cache is None:
             continue
-        keeps, group = keeps_norm_buffer(module), norm_cache.group
-        if keeps and group is not None and all(g is not group for g in groups):
+        group = norm_cache.group
+        listed = group is not None and any(g is group for g in groups)
+        follows = keeps_norm_buffer(module) and (listed or held(module))
+        if follows and group is not None and not listed:
             groups.append(group)
-        pending.append((module, norm_cache, keeps))
+        pending.append((module, norm_cache, follows))
     done = {id(m) for group in groups for m in group.refresh_buffers()}
-    for module, norm_cache, keeps in pending:
+    for module, norm_cache, follows in pending:
         if id(module) not in done:
-            if keeps:
+            if follows:
                 refresh_norm_buffer(module)
             _refresh_base_sq(module, norm_cache)
+
+
+class _Holds:
+    """Whether an optimizer holds a module's W, A or B (the tensors of the adapter it
+    computes), or True for every module when there is none; its parameters are listed on the
+    first question only."""
+
+    __slots__ = ("_ids", "_optimizer")
+
+    def __init__(self, optimizer: torch.optim.Optimizer | None):
+        self._optimizer, self._ids = optimizer, None
+
+    def __call__(self, module: torch.nn.Module) -> bool:
+        if self._optimizer is None:
+            return True
+        if self._ids is None:
+            groups = self._optimizer.param_groups
+            self._ids = {id(p) for group in groups for p in group["params"]}
+        found = module._dora_tensors(module)
+        return found is not None and any(id(t) in self._ids for t in found[:3])
 
 
 class _Stamp:

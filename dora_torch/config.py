@@ -66,7 +66,8 @@ NORM_GROUP_STREAMS = 1
 #: (one norm-group replay for the model, on ``NORM_GROUP_STREAMS`` streams), as compiled eval
 #: graphs read it. With "buffer", rule 5's limit of docs/design.md §8 reaches training graphs:
 #: an in-place write to A or B outside an optimizer step (``lora_B.mul_(2)`` under no_grad)
-#: is seen at the next optimizer step, eager call or ``clear_caches``. Read when a layer is
+#: is seen at the next step of an optimizer holding it, eager call or ``clear_caches``
+#: (initializing adapters in place after ``inject``: call ``clear_caches``). Read when a layer is
 #: built or accelerated (``dora_torch.Linear``, ``inject``, ``accelerate_peft``).
 COMPILED_TRAIN_NORM = "graph"
 

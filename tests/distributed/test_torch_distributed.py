@@ -501,12 +501,10 @@ def _scenario_tp(rank, counter, tmp):
     with torch.no_grad():
         out["tp_loaded"] = model(x)
         out["tp_loaded_ref"] = other(x)
-    # Eval mode, then an optimizer step elsewhere: the global step hook walks every module
-    # with a norm cache, the tensor-parallel ones included.
+    # Eval mode, then a step of an optimizer that holds the model's parameters and changes
+    # none (lr 0): the global step hook refreshes the tensor-parallel modules' buffers.
     model.eval()
-    dummy = torch.zeros(1, requires_grad=True)
-    dummy.grad = torch.ones(1)
-    torch.optim.SGD([dummy], lr=0.1).step()
+    torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.0).step()
     with torch.no_grad():
         out["tp_eval_after_step"] = model(x)
 

@@ -115,6 +115,85 @@ def test_eval_mode_buffer_follows_optimizer_steps():
         torch.testing.assert_close(layer.dora_norm, want, rtol=0, atol=0)
 
 
+def _fresh_norm(layer):
+    with torch.no_grad():
+        return dora_torch.factored_norm(
+            layer.weight, layer.lora_A, layer.lora_B, layer.scaling, impl="eager"
+        )
+
+
+@pytest.mark.parametrize("kind", list(OPTIMIZERS))
+def test_a_step_refreshes_the_buffers_of_the_modules_its_optimizer_holds_only(kind):
+    """Another model in eval mode (a reference or teacher model) keeps its norm buffer
+    through the trained model's steps, which compute nothing for it; the trained one's follows
+    every step; an optimizer of the magnitude alone changes no norm and computes none. (An
+    eager call of the other model still recomputes its norm once after any step: its entry
+    holds the process-wide step count, rule 2.)"""
+    trained, reference = _layer(0), _layer(1)
+    for layer in (trained, reference):
+        layer.eval()
+        with torch.no_grad():
+            layer.lora_B.normal_(0, 0.5)
+        dora_torch.clear_caches(layer)
+    opt = OPTIMIZERS[kind]([p for p in trained.parameters() if p.requires_grad])
+    magnitude_only = OPTIMIZERS[kind]([reference.lora_magnitude_vector])
+    x = torch.randn(4, 32)
+    kept = reference.dora_norm.clone()
+    cache = reference._dora_norm_cache
+    for _ in range(2):
+        opt.zero_grad()
+        trained(x).square().mean().backward()
+        counts = cache.norm_computations
+        opt.step()
+        assert cache.norm_computations == counts
+        torch.testing.assert_close(trained.dora_norm, _fresh_norm(trained), rtol=0, atol=0)
+        magnitude_only.zero_grad()
+        reference(x).square().mean().backward()
+        counts = cache.norm_computations
+        magnitude_only.step()
+        assert cache.norm_computations == counts
+    torch.testing.assert_close(reference.dora_norm, kept, rtol=0, atol=0)
+    torch.testing.assert_close(reference.dora_norm, _fresh_norm(reference), rtol=0, atol=0)
+    # an optimizer that holds the reference's B does refresh it, at its step
+    both = OPTIMIZERS[kind]([reference.lora_B])
+    both.zero_grad()
+    reference(x).square().mean().backward()
+    both.step()
+    assert not torch.equal(reference.dora_norm, kept)
+    torch.testing.assert_close(reference.dora_norm, _fresh_norm(reference), rtol=0, atol=0)
+
+
+def test_a_norm_group_is_refreshed_by_the_steps_of_its_own_model_only():
+    """Two injected models in eval mode, two norm groups: stepping one model's optimizer
+    recomputes its group's members and none of the other's."""
+    from dora_torch.interop.inject import dora_layers
+
+    def net(seed):
+        torch.manual_seed(seed)
+        model = nn.Sequential(nn.Linear(32, 24), nn.Linear(24, 16))
+        dora_torch.inject(model, target_modules=["0", "1"], r=4, lora_alpha=8)
+        return model.eval()
+
+    trained, reference = net(0), net(1)
+    layers = {name: list(dora_layers(m).values()) for name, m in
+              (("trained", trained), ("reference", reference))}  # fmt: skip
+    assert layers["trained"][0]._dora_norm_cache.group is not None
+    opt = torch.optim.AdamW([p for p in trained.parameters() if p.requires_grad], fused=True)
+    x = torch.randn(4, 32)
+
+    def counts(name):
+        return [m._dora_norm_cache.norm_computations for m in layers[name]]
+
+    opt.zero_grad()
+    trained(x).square().mean().backward()
+    before = {name: counts(name) for name in layers}
+    opt.step()
+    assert counts("reference") == before["reference"]
+    assert all(a > b for a, b in zip(counts("trained"), before["trained"], strict=True))
+    for m in layers["trained"]:
+        torch.testing.assert_close(m.dora_norm, _fresh_norm(m), rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("how", ["torch.save", "deepcopy"])
 def test_pickled_and_copied_models_keep_their_caches_honest(how, tmp_path):
     """A whole model saved with ``torch.save`` (or deep-copied) after training: its caches

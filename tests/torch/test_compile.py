@@ -372,8 +372,7 @@ def test_a_pending_compiled_backward_refuses_a_norm_buffer_refreshed_under_it(mo
     torch._dynamo.reset()
     layer = _layer().train()
     y = torch.compile(layer, fullgraph=True, backend="aot_eager")(torch.randn(5, 24))
-    dummy = torch.zeros(1, requires_grad=True)
-    dummy.grad = torch.zeros(1)
-    torch.optim.SGD([dummy], lr=0.1).step()  # any step refreshes every buffer
+    layer.lora_B.grad = torch.zeros_like(layer.lora_B)
+    torch.optim.SGD([layer.lora_B], lr=0.1).step()  # a step holding B refreshes the buffer
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         y.square().sum().backward()

@@ -155,41 +155,42 @@ def test_compiled_training_reading_the_base_sq_buffer_matches_eager(monkeypatch,
 def test_compiled_training_reading_the_norm_buffer_matches_eager(monkeypatch, mode):
     """``config.COMPILED_TRAIN_NORM = "buffer"`` with the norm group on two streams: the
     training graph (Inductor, and CUDA graphs under reduce-overhead) reads norms that one
-    group replay refreshed after each fused AdamW step; four steps stay with an eager twin's,
-    and each step's output is an uncached call's."""
+    group replay refreshed after each fused AdamW step, so every step's compiled output is an
+    uncached call's on the same parameters (sharper than an eager twin's parameters, which
+    drift apart by rounding). fp32 keeps the compile noise (2e-5, see
+    ``_assert_compiled_matches_eager``) far under what one step's stale norm moves the output
+    by (0.1 here)."""
     from dora_torch import config
     from dora_torch.interop.inject import dora_layers
 
     monkeypatch.setattr(config, "COMPILED_TRAIN_NORM", "buffer")
     monkeypatch.setattr(config, "NORM_GROUP_STREAMS", 2)
     torch._dynamo.reset()
-
-    def model():
-        torch.manual_seed(0)
-        net = nn.Sequential(nn.Linear(256, 192), nn.GELU(), nn.Linear(192, 128)).cuda()
-        dora_torch.inject(net.to(torch.bfloat16), target_modules=["0", "2"], r=16,
-                          lora_alpha=24)  # fmt: skip
-        with torch.no_grad():
-            for layer in dora_layers(net).values():
-                layer.lora_B.normal_(0, 0.05)
-        return net
-
-    net, twin = model(), model()
-    layers = list(dora_layers(net).values())
-    trained = [[p for p in m.parameters() if p.requires_grad] for m in (net, twin)]
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(256, 192), nn.GELU(), nn.Linear(192, 128)).cuda()
+    dora_torch.inject(net, target_modules=["0", "2"], r=16, lora_alpha=24)
+    layers = [dora_layers(net)[name] for name in ("0", "2")]
+    with torch.no_grad():
+        for layer in layers:
+            layer.lora_B.normal_(0, 0.05)
+    # an in-place write under no_grad: compiled graphs reading the buffer cannot see it (§8,
+    # rule 5, and the test below), so the documented remedy comes first
+    dora_torch.clear_caches(net)
     compiled = torch.compile(net, mode=mode)
-    opts = [torch.optim.AdamW(params, lr=1e-2, fused=True) for params in trained]
-    x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)
+    opt = torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], lr=1e-2,
+                            fused=True)  # fmt: skip
+    x = torch.randn(64, 256, device="cuda")
     for _ in range(4):
-        for run, opt in zip((compiled, twin), opts):
-            torch.compiler.cudagraph_mark_step_begin()
-            opt.zero_grad(set_to_none=True)
-            run(x).float().square().mean().backward()
-            opt.step()
+        torch.compiler.cudagraph_mark_step_begin()
+        opt.zero_grad(set_to_none=True)
+        y = compiled(x)
+        with torch.no_grad():
+            want = _fresh(layers[1], nn.functional.gelu(_fresh(layers[0], x)))
+        torch.testing.assert_close(y.detach(), want, rtol=1e-4, atol=1e-4)
+        y.square().mean().backward()
+        opt.step()
         for layer in layers:
             n = dora_torch.factored_norm(layer.weight, layer.lora_A, layer.lora_B, layer.scaling)
             torch.testing.assert_close(layer.dora_norm, n, rtol=1e-6, atol=0)
-        for a, b in zip(*trained, strict=True):
-            torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
     group = layers[0]._dora_norm_cache.group
     assert group.streams == 2 and group.replays >= 3
