@@ -9,6 +9,9 @@ each reports the min and median step time (CUDA-synchronised wall clock), the ho
 of its forward and backward calls, and where the GPU's time went (CUDA events recorded after
 each call, from an idle stream at the step's start): to the end of the forward's work (the
 host's lead-in before the first kernel included), of the backward's and of the optimizer's.
+Ours' rows also count the norm computations of their model's caches over the timed rounds,
+per layer and step (``norms_per_layer_step``, ``norm_counts``): since all models live in one
+process, this is where one variant doing work for another would show.
 
 ``--mode compile`` (or ``reduce-overhead``) runs each variant's model through its own
 ``torch.compile``, so compiled variants are compared in one process (compiled batch-1 steps
@@ -120,6 +123,7 @@ FIELDS = [
     "batch", "rounds",
     "step_min_ms", "step_median_ms", "fwd_host_min_ms", "fwd_host_median_ms", "bwd_host_min_ms",
     "bwd_host_median_ms", "fwd_gpu_median_ms", "bwd_gpu_median_ms", "opt_gpu_median_ms",
+    "norms_per_layer_step",
 ]  # fmt: skip
 #: What one step returns, in order: wall-clock step and host times of the forward and backward
 #: calls, then the GPU's time from the step's start (an empty stream) to the end of the
@@ -288,7 +292,7 @@ def measure(
     names = variants_for(mode, variants)
     if rev is not None:
         names.insert(names.index("ours") + 1, "ours_rev")
-    steps = {}
+    steps, models = {}, {}
     try:
         for name, optim in ((n, o) for o in optims for n in names):
             # ours_rev: PEFT DoRA accelerated below by the earlier revision's package
@@ -303,17 +307,25 @@ def measure(
                 steps[name, optim] = _inferrer(model, ids, settings, mode, options)
             else:
                 steps[name, optim] = _stepper(model, ids, settings, mode, options, optim)
+            models[name, optim] = model
         for step in steps.values():
             for _ in range(bm.WARMUP[mode]):
                 step()
+        before = {key: norm_counts(model) for key, model in models.items()}
         times = {name: [] for name in steps}
         for _ in range(rounds):
             for name, step in steps.items():
                 times[name].append(step())
+        norms = {
+            key: (norm_counts(model)[0] - before[key][0]) / (before[key][1] * rounds)
+            for key, model in models.items()
+            if before[key][1]
+        }
     finally:
         for key, value in defaults.items():
             setattr(config, key, value)
         steps.clear()
+        models.clear()
         bm.free_cuda()
     rows, per_round = [], []
     for (name, optim), samples in times.items():
@@ -326,8 +338,22 @@ def measure(
         row = {"variant": name, "rev": rev[1] if name == "ours_rev" else "",
                "workload": workload, "mode": mode, "optim": optim, "adapters": adapters,
                "rank": rank, "batch": batch, "rounds": rounds}  # fmt: skip
+        if (name, optim) in norms:
+            row["norms_per_layer_step"] = round(norms[name, optim], 3)
         rows.append({**row, **summarize(samples)})
     return rows, per_round
+
+
+def norm_counts(model) -> tuple[int, int]:
+    """(norm computations so far, layers): summed over the norm caches of ``model``'s DoRA
+    layers. Over the timed rounds, per layer and per step of the variant, an eager training
+    step reads 1 (one recomputation per update), a compiled "graph" step and inference 0;
+    more means another variant's steps recompute this model's norms (the step hook's
+    cross-model refresh that biased runs 172/174), less in eager training a stale read."""
+    from dora_torch.cache import module_cache
+
+    caches = [c for c in map(module_cache, model.modules()) if c is not None]
+    return sum(c.norm_computations for c in caches), len(caches)
 
 
 def summarize(samples: list[tuple]) -> dict:
@@ -421,7 +447,10 @@ def _line(row: dict) -> str:
     text += f" ms | GPU fwd {row['fwd_gpu_median_ms']:6.2f}"
     if "bwd_gpu_median_ms" in row:
         text += f" bwd {row['bwd_gpu_median_ms']:6.2f} opt {row['opt_gpu_median_ms']:5.2f}"
-    return text + " ms"
+    text += " ms"
+    if "norms_per_layer_step" in row:
+        text += f" | norms/layer/step {row['norms_per_layer_step']:.2f}"
+    return text
 
 
 def main(argv=None) -> int:

@@ -130,3 +130,40 @@ def test_build_overrides_hold_while_the_model_is_built_and_are_restored(monkeypa
     assert seen == [("ours_bf16", 4, "buffer"), ("ours_bf16", 4, "graph"),
                     ("ours_bf16", 1, "graph")]  # fmt: skip
     assert (config.NORM_GROUP_STREAMS, config.COMPILED_TRAIN_NORM) == (1, "graph")
+
+
+def test_norm_counts_read_one_recomputation_per_layer_and_step_and_none_for_other_models():
+    """``norm_counts``, the ``norms_per_layer_step`` column: an eager training step recomputes
+    each layer's norm once; a second model's steps (its own optimizer) recompute nothing of
+    the first, even in eval mode, where the step hook refreshes norm buffers; a model without
+    DoRA layers has no count."""
+    import torch
+    from torch import nn
+
+    import dora_torch
+    from benchmarks.bench_step_interleaved import norm_counts
+
+    def net(seed):
+        torch.manual_seed(seed)
+        model = nn.Sequential(nn.Linear(32, 24), nn.Linear(24, 16))
+        dora_torch.inject(model, target_modules=["0", "1"], r=4, lora_alpha=8)
+        return model
+
+    trained, other = net(0), net(1).eval()
+    assert norm_counts(nn.Linear(3, 3)) == (0, 0)
+    x = torch.randn(4, 32)
+    with torch.no_grad():
+        other(x)  # its eval buffers filled
+    opt = torch.optim.AdamW([p for p in trained.parameters() if p.requires_grad], fused=True)
+    start, layers = norm_counts(trained)
+    kept = norm_counts(other)
+    assert layers == 2
+    for _ in range(3):
+        opt.zero_grad()
+        trained(x).square().mean().backward()
+        opt.step()
+    assert norm_counts(trained)[0] - start == 3 * layers
+    assert norm_counts(other) == kept
+    assert "norms_per_layer_step" in FIELDS
+    row = {"variant": "ours", **summarize([(50.0, 5.0, 4.0, 20.0, 28.0, 3.0)])}
+    assert _line({**row, "norms_per_layer_step": 1.0}).endswith("| norms/layer/step 1.00")
