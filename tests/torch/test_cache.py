@@ -97,6 +97,14 @@ def test_load_state_dict_merge_and_mode_switches_invalidate():
     torch.testing.assert_close(layer(x), uncached_output(layer, x), rtol=0, atol=0)
 
 
+def _fresh_norm(layer):
+    """The norm of ``layer``'s tensors now, computed without its cache."""
+    with torch.no_grad():
+        return dora_torch.factored_norm(
+            layer.weight, layer.lora_A, layer.lora_B, layer.scaling, impl="eager"
+        )
+
+
 def test_eval_mode_buffer_follows_optimizer_steps():
     """An eval-mode module's norm buffer (what compiled graphs read) is refreshed by the
     optimizer step itself, before any forward runs."""
@@ -108,18 +116,7 @@ def test_eval_mode_buffer_follows_optimizer_steps():
         opt.zero_grad()
         layer(x).square().mean().backward()
         opt.step()
-        with torch.no_grad():
-            want = dora_torch.factored_norm(
-                layer.weight, layer.lora_A, layer.lora_B, layer.scaling, impl="eager"
-            )
-        torch.testing.assert_close(layer.dora_norm, want, rtol=0, atol=0)
-
-
-def _fresh_norm(layer):
-    with torch.no_grad():
-        return dora_torch.factored_norm(
-            layer.weight, layer.lora_A, layer.lora_B, layer.scaling, impl="eager"
-        )
+        torch.testing.assert_close(layer.dora_norm, _fresh_norm(layer), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("kind", list(OPTIMIZERS))
