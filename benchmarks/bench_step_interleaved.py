@@ -55,9 +55,6 @@ Variants (each on a fresh copy of the 8-layer base, ``lora_alpha = 2r``, AdamW f
     "buffer"``); in eager mode the same refresh runs in the step hook instead of at the first
     forward. Both settings are read when the model is accelerated (``BUILD_OVERRIDES``), so
     these two also run in compiled modes;
-  - ``ours_gram_split``: G = A Aᵀ as 8 GEMMs over slices of d_in in one batched call
-    (``NORM_GRAM_SPLIT = 8``), in every mode; ``ours_norm_buffer_gram_split``: that and
-    ``ours_norm_buffer``'s settings;
   - ``ours_recompute``: ``recompute_modules`` for q, k and o (``bench_model_torch.RECOMPUTE``);
   - ``ours_stacked``: ``stack_modules=".*"`` (``bench_model_torch.STACK``; the backward's one
     dx GEMM; eager only: compiled graphs take the two-GEMM path); ``ours_stacked_fwd``: the
@@ -99,8 +96,6 @@ VARIANTS = {
     "ours_static_launch": ("ours", {}),
     "ours_streams": ("ours", {}),
     "ours_norm_buffer": ("ours", {}),
-    "ours_gram_split": ("ours", {"NORM_GRAM_SPLIT": 8}),
-    "ours_norm_buffer_gram_split": ("ours", {"NORM_GRAM_SPLIT": 8}),
     "ours_recompute": ("ours_recompute", {}),  # recompute_modules (bench_model_torch.RECOMPUTE)
     "ours_stacked": ("ours_stacked", {}),  # stack_modules (bench_model_torch.STACK)
     "ours_stacked_fwd": ("ours_stacked", {"STACK_FORWARD": True}),
@@ -112,20 +107,14 @@ VARIANTS = {
 BUILD_OVERRIDES = {
     "ours_streams": {"NORM_GROUP_STREAMS": 4},
     "ours_norm_buffer": {"NORM_GROUP_STREAMS": 4, "COMPILED_TRAIN_NORM": "buffer"},
-    "ours_norm_buffer_gram_split": {"NORM_GROUP_STREAMS": 4, "COMPILED_TRAIN_NORM": "buffer"},
 }
-#: Variants with ``dora_torch.config`` values that run in compiled modes too: Dynamo reads
-#: them when it traces the variant's own model (under the variant's values, set before each
-#: call), and the norm group's graph when it captures.
-ANY_MODE = {"ours_gram_split", "ours_norm_buffer_gram_split"}
 #: Inductor options of the compiled variants (``torch.compile(..., options=...)``).
 INDUCTOR_OPTIONS = {"ours_static_launch": {"static_launch_user_defined_triton_kernels": True}}
 #: Variants whose difference only eager calls see (compiled graphs take the two-GEMM path).
 EAGER_ONLY = {"ours_stacked", "ours_stacked_fwd", "ours_recompute_stacked"}
 #: The variants the summary compares with PEFT LoRA (the others are diagnostics of ours).
 SUMMARIZED = ("ours", "ours_rev", "ours_recompute", "ours_stacked", "ours_stacked_fwd",
-              "ours_recompute_stacked", "ours_streams", "ours_norm_buffer", "ours_gram_split",
-              "ours_norm_buffer_gram_split")  # fmt: skip
+              "ours_recompute_stacked", "ours_streams", "ours_norm_buffer")  # fmt: skip
 MODES = ("eager", "compile", "reduce-overhead")
 WORKLOADS = ("train", "infer")
 SWITCHES = sorted({key for _, overrides in VARIANTS.values() for key in overrides})
@@ -154,7 +143,7 @@ def variants_for(mode: str, requested=None) -> list[str]:
         if mode == "eager":
             fits_mode = name not in INDUCTOR_OPTIONS
         else:
-            fits_mode = (not overrides or name in ANY_MODE) and name not in EAGER_ONLY
+            fits_mode = not overrides and name not in EAGER_ONLY
         if fits_mode and (requested is None or name in requested):
             out.append(name)
     return out

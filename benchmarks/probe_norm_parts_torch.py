@@ -2,10 +2,11 @@
 shapes (issue 10: the r = 384 norm-group replay took 4.96-5.64 ms per 8-layer update in run
 171, against ~2 ms of tensor-core work in its U = W Aᵀ GEMMs).
 
-Per projection shape and rank, bf16 W / A / B on CUDA, CUDA events, median of ``--iters``:
-U = W Aᵀ with fp32 output (what the norm runs), the same GEMM with bf16 output and as
-Uᵀ = A Wᵀ, G = A Aᵀ, the assembly, and the whole ``detached_norm``; ``u_tflops`` is U's
-achieved rate.
+Per projection shape and rank, bf16 W / A / B on CUDA, GPU time per call (``gpu_us``):
+U = W Aᵀ with fp32 output (what the norm runs), the same GEMM with bf16 output, as Uᵀ = A Wᵀ
+and over 2 or 4 slices of K (``split_k``: one batched GEMM of views, summed), G = A Aᵀ (also
+over 4 or 8 slices), the assembly, and the whole ``detached_norm``; ``u_tflops`` is U's
+achieved rate. ``--profile`` lists the kernels of one ``detached_norm`` call.
 
     python3 -m benchmarks.probe_norm_parts_torch --ranks 16 384
 """
@@ -29,20 +30,32 @@ FIELDS = ["date", "commit", "gpu", "proj", "d_out", "d_in", "rank", *[p + "_us" 
           "u_tflops"]  # fmt: skip
 
 
-def gpu_us(fn, iters: int, warmup: int = 5) -> float:
-    """Median GPU time of ``fn()`` in µs (CUDA events around each call)."""
+def gpu_us(fn, iters: int, warmup: int = 3) -> float:
+    """GPU time of one ``fn()`` in µs: ``iters`` calls captured in one CUDA graph, the replay
+    timed with CUDA events (median of 5 replays) and divided by ``iters``. Timing each call
+    between a synchronize and an event instead (run 180) puts the host's launch latency,
+    ~30 µs here, under every small kernel."""
     import torch
 
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(warmup):  # Triton compiles and cuBLAS picks kernels outside the capture
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(iters):
+            fn()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times = []
-    for i in range(warmup + iters):
+    for _ in range(5):
         torch.cuda.synchronize()
         start.record()
-        fn()
+        graph.replay()
         end.record()
         torch.cuda.synchronize()
-        if i >= warmup:
-            times.append(start.elapsed_time(end) * 1e3)
+        times.append(start.elapsed_time(end) * 1e3 / iters)
     return statistics.median(times)
 
 
@@ -121,7 +134,7 @@ def print_kernels(fn, label: str) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ranks", type=positive_int, nargs="+", default=[16, 384])
-    ap.add_argument("--iters", type=positive_int, default=50)
+    ap.add_argument("--iters", type=positive_int, default=20, help="calls per captured graph")
     ap.add_argument("--profile", action="store_true", help="list detached_norm's kernels")
     ap.add_argument("--out", default=os.environ.get("OUT", "out") + "/bench")
     args = ap.parse_args(argv)

@@ -29,11 +29,6 @@ NORM_CHUNK = 2048
 #: covers a Llama-8B MLP (14336).
 NORM_U_ELEMENTS = 16384 * 384
 
-#: G = A Aᵀ (16-bit A on CUDA) as this many GEMMs over slices of d_in in one batched call,
-#: summed in fp32 (``matmul.gram_split``): G's few output tiles otherwise leave most SMs idle
-#: for the whole d_in-long reduction. 1 = one GEMM.
-NORM_GRAM_SPLIT = 1
-
 
 def norm_row_chunk(r: int) -> int:
     """Rows of W per block of the detached norm for rank r (see ``NORM_U_ELEMENTS``)."""

@@ -39,25 +39,6 @@ def mm_out(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor
     return torch.mm(a, b).to(dtype)
 
 
-def gram_split(a: torch.Tensor, chunks: int) -> torch.Tensor:
-    """G = a aᵀ in fp32 for a 16-bit ``a`` [r, K] on CUDA, as ``chunks`` GEMMs over equal slices
-    of K in one batched cuBLAS call (strided views of ``a``, no copy), summed in fp32.
-
-    Why: G has cdiv(r, 128)² output tiles (9 at r = 384), so one GEMM over a long K = d_in
-    keeps a few SMs busy for the whole reduction; the slices give each SM a share of it.
-    Each slice accumulates in fp32 like ``mm_out``; only the order of the additions over K
-    differs. Falls back to ``mm_out`` where the split does not apply (K not a multiple of
-    ``chunks``, no ``bmm.dtype``)."""
-    r, k = a.shape
-    if chunks > 1 and k % chunks == 0 and a.is_cuda and a.dtype in (torch.bfloat16, torch.float16):
-        v = a.view(r, chunks, k // chunks).transpose(0, 1)
-        try:
-            return torch.bmm(v, v.transpose(1, 2), out_dtype=torch.float32).sum(0)
-        except (TypeError, RuntimeError, NotImplementedError):  # torch without bmm.dtype
-            pass
-    return mm_out(a, a.t(), torch.float32)
-
-
 _UNUSED: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
 
 

@@ -21,7 +21,7 @@ import torch
 
 from . import checks, config
 from .kernels.norm_pass import norm_pass, norm_pass_applies
-from .matmul import compute_dtype, gram_split, mm_out
+from .matmul import compute_dtype, mm_out
 
 
 def chunk_slices(size: int, chunk: int | None) -> list[slice]:
@@ -90,8 +90,6 @@ def _products(weight, a, *, chunk_size=None, want_u: bool = True, want_g: bool =
     default = None if lowp or weight.dtype == acc else config.NORM_CHUNK
     cols = chunk_slices(d_in, chunk_size or default)
     U = _sum(prod(weight[:, c], a[:, c].t()) for c in cols) if want_u else None
-    if want_g and lowp and config.NORM_GRAM_SPLIT > 1:
-        return U, gram_split(a, config.NORM_GRAM_SPLIT)
     G = _sum(prod(a[:, c], a[:, c].t()) for c in cols) if want_g else None
     return U, G
 

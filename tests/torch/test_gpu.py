@@ -193,37 +193,6 @@ def test_cuda_bf16x3_split_rounds_like_torch_and_compiles_alike(b_dtype):
     torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("chunks", [2, 8])
-@pytest.mark.parametrize(("r", "d_in"), [(384, 4096), (300, 1000)])  # 1000 = 8·125: 8 applies
-def test_cuda_gram_split_is_as_close_to_fp64_as_one_gemm_and_compiles(r, d_in, chunks):
-    """G over K slices (``matmul.gram_split``) against float64: no worse than 2× one fp32-
-    accumulating GEMM's error (only the order of additions differs), and the same under
-    ``torch.compile(fullgraph=True)``."""
-    from dora_torch.matmul import gram_split, mm_out
-
-    torch.manual_seed(0)
-    a = (torch.randn(r, d_in, device="cuda") / d_in**0.25).bfloat16()
-    want = a.double() @ a.double().t()
-    one = (mm_out(a, a.t(), torch.float32).double() - want).abs().max().item()
-    got = gram_split(a, chunks)
-    assert got.dtype == torch.float32 and got.shape == (r, r)
-    assert (got.double() - want).abs().max().item() <= 2 * one
-    compiled = torch.compile(gram_split, fullgraph=True)(a, chunks)
-    torch.testing.assert_close(compiled, got, rtol=1e-6, atol=1e-6)
-
-
-@pytest.mark.parametrize("r", [64, 384])  # the kernel and the pairs assembly
-def test_cuda_layer_with_split_gram_matches_spec(r, monkeypatch):
-    """``config.NORM_GRAM_SPLIT``: the fused bf16 layer, forward and every gradient, against
-    the float64 spec by the tolerance rule."""
-    from dora_torch import config
-
-    monkeypatch.setattr(config, "NORM_GRAM_SPLIT", 8)
-    case = cases.Case(f"split_gram_1000x1024_r{r}", d_in=1024, d_out=1000, r=r, lead=(129,),
-                      alpha=2 * r)  # fmt: skip
-    check_tier(case, DTYPES["bf16"], "fused", device="cuda")
-
-
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 def test_cuda_zero_magnitude_columns_recompute_inner(dtype):
     """No bias, no dropout: the fused backward recovers inner from y, except in columns with
