@@ -55,6 +55,8 @@ Variants (each on a fresh copy of the 8-layer base, ``lora_alpha = 2r``, AdamW f
     "buffer"``); in eager mode the same refresh runs in the step hook instead of at the first
     forward. Both settings are read when the model is accelerated (``BUILD_OVERRIDES``), so
     these two also run in compiled modes;
+  - ``ours_norm_slices``: the one-pass norm (r ≤ ``NORM_PASS_MAX_RANK``) over up to 8
+    slices of d_in where its row blocks leave SMs idle (``NORM_PASS_MAX_SLICES = 8``);
   - ``ours_recompute``: ``recompute_modules`` for q, k and o (``bench_model_torch.RECOMPUTE``);
   - ``ours_stacked``: ``stack_modules=".*"`` (``bench_model_torch.STACK``; the backward's one
     dx GEMM; eager only: compiled graphs take the two-GEMM path); ``ours_stacked_fwd``: the
@@ -96,6 +98,7 @@ VARIANTS = {
     "ours_static_launch": ("ours", {}),
     "ours_streams": ("ours", {}),
     "ours_norm_buffer": ("ours", {}),
+    "ours_norm_slices": ("ours", {"NORM_PASS_MAX_SLICES": 8}),
     "ours_recompute": ("ours_recompute", {}),  # recompute_modules (bench_model_torch.RECOMPUTE)
     "ours_stacked": ("ours_stacked", {}),  # stack_modules (bench_model_torch.STACK)
     "ours_stacked_fwd": ("ours_stacked", {"STACK_FORWARD": True}),
