@@ -117,7 +117,8 @@ INDUCTOR_OPTIONS = {"ours_static_launch": {"static_launch_user_defined_triton_ke
 EAGER_ONLY = {"ours_stacked", "ours_stacked_fwd", "ours_recompute_stacked"}
 #: The variants the summary compares with PEFT LoRA (the others are diagnostics of ours).
 SUMMARIZED = ("ours", "ours_rev", "ours_recompute", "ours_stacked", "ours_stacked_fwd",
-              "ours_recompute_stacked", "ours_streams", "ours_norm_buffer")  # fmt: skip
+              "ours_recompute_stacked", "ours_streams", "ours_norm_buffer",
+              "ours_norm_slices")  # fmt: skip
 MODES = ("eager", "compile", "reduce-overhead")
 WORKLOADS = ("train", "infer")
 SWITCHES = sorted({key for _, overrides in VARIANTS.values() for key in overrides})

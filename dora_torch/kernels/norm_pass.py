@@ -30,7 +30,7 @@ import triton.language as tl
 from .. import config
 from .common import cdiv, check_launchable, dot_fp32, dot_precision, next_pow2, unit_stride
 from .launch import Launcher
-from .norm import resolve_method
+from .norm import finish_norm_rows, resolve_method
 from .workspace import ticket_counters
 
 
@@ -117,17 +117,10 @@ def _norm_pass_kernel(
         share = 2.0 * s * cross + s * s * gram
         if not HAS_BASE_SQ:
             share += base
-        tl.store(part_ptr + pid_k * N + rows, share, mask=mask_m)
-        tl.debug_barrier()
-        ticket = tl.atomic_add(tickets_ptr + pid_m, 1, sem="acq_rel")
-        if ticket == tl.num_programs(1) - 1:
-            n_sq = tl.zeros((BLOCK_M,), dtype=tl.float32)
-            if HAS_BASE_SQ:
-                n_sq = base
-            for k in range(0, tl.num_programs(1)):
-                n_sq += tl.load(part_ptr + k * N + rows, mask=mask_m, other=0.0)
-            tl.store(out_ptr + rows, tl.sqrt(tl.maximum(n_sq, 0.0)), mask=mask_m)
-            tl.store(tickets_ptr + pid_m, 0)
+        finish_norm_rows(
+            share, part_ptr, tickets_ptr, base_sq_ptr, out_ptr, rows, mask_m, pid_m, pid_k, N,
+            HAS_BASE_SQ,
+        )  # fmt: skip
     else:
         n_sq = base + 2.0 * s * cross + s * s * gram
         tl.store(out_ptr + rows, tl.sqrt(tl.maximum(n_sq, 0.0)), mask=mask_m)
@@ -135,19 +128,13 @@ def _norm_pass_kernel(
 
 _launch_norm_pass = Launcher(_norm_pass_kernel)
 
-_SMS: dict[int, int] = {}
-
 
 def sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors of ``device`` (cached); 132, an H100's, off CUDA (the
-    interpreter), so that CPU tests split as an H100 would."""
+    """Streaming multiprocessors of ``device``; 132, an H100's, off CUDA (the interpreter), so
+    that CPU tests split as an H100 would."""
     if device.type != "cuda":
         return 132
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    found = _SMS.get(index)
-    if found is None:
-        found = _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return found
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def d_slice(row_blocks: int, d_in: int, block_d: int, device: torch.device) -> int:
@@ -201,7 +188,7 @@ def norm_pass(
     br = max(16, next_pow2(R))
     row_blocks = cdiv(N, bm)
     width = d_slice(row_blocks, D, bd, weight.device)
-    slices = cdiv(D, width)
+    slices = max(1, cdiv(D, width))  # d_in = 0: one program per row block, n² = ‖W‖² = 0
     if slices > 1:
         part = torch.empty((slices, N), dtype=torch.float32, device=weight.device)
         tickets = ticket_counters(weight.device, row_blocks)

@@ -602,6 +602,19 @@ def test_one_pass_norm_kernel(r, cached, dtype, slices, monkeypatch):
     torch.testing.assert_close(dora_torch.factored_norm(W, A, B, s, impl="fused"), got)
 
 
+@pytest.mark.parametrize("slices", [1, 2])
+def test_one_pass_norm_of_an_empty_d_in_is_the_cached_norm(slices, monkeypatch):
+    """d_in = 0: W has no columns, so n = sqrt(‖W‖²) as given (0 when computed), never the
+    uninitialized output of a grid with no programs."""
+    from dora_torch.kernels import norm_pass as kernel
+
+    monkeypatch.setattr(config, "NORM_PASS_MAX_SLICES", slices)
+    W, a, B = torch.zeros(37, 0), torch.zeros(4, 0), torch.randn(37, 4)
+    assert torch.equal(kernel.norm_pass(W, a, B, None, 2.0), torch.zeros(37))
+    base_sq = torch.full((37,), 4.0)
+    assert torch.equal(kernel.norm_pass(W, a, B, base_sq, 2.0), torch.full((37,), 2.0))
+
+
 def test_one_pass_norm_kernel_is_not_used_where_it_does_not_apply(monkeypatch):
     from dora_torch.kernels.norm_pass import norm_pass_applies
 

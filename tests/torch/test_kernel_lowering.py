@@ -78,11 +78,38 @@ def lower_norm_pass() -> list[str]:
     return done
 
 
+def lower_norm_pairs() -> list[str]:
+    """The pairs assembly (kernels/norm.py), with and without its split over column blocks
+    (the finisher it shares with the one-pass norm), at the configured blocks."""
+    from dora_torch import config
+    from dora_torch.kernels.norm import _norm_pairs_kernel
+
+    bm, br, bk, warps, stages = config.NORM_PAIRS
+    f32 = ("base_sq_ptr", "u_ptr", "part_ptr", "out_ptr")
+    done = []
+    for split in (False, True):
+        lower(
+            _norm_pairs_kernel,
+            {
+                "lhs_ptr": "bf16",
+                "rhs_ptr": "bf16",
+                "lb_ptr": "bf16",
+                "tickets_ptr": "i32",
+                **dict.fromkeys(f32, "fp32"),
+            },
+            dict(BLOCK_M=bm, BLOCK_R=br, BLOCK_K=bk, SPLIT_R=split, DOT_FP32=False),
+            warps=warps,
+            stages=stages,
+        )
+        done.append(f"_norm_pairs_kernel split_r={split}")
+    return done
+
+
 def test_kernels_lower_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     code = (
-        "from tests.torch.test_kernel_lowering import lower_norm_pass; "
-        "print(*lower_norm_pass(), sep='\\n')"
+        "from tests.torch.test_kernel_lowering import lower_norm_pairs, lower_norm_pass; "
+        "print(*lower_norm_pass(), *lower_norm_pairs(), sep='\\n')"
     )
     done = subprocess.run(
         [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True
@@ -90,3 +117,4 @@ def test_kernels_lower_for_sm90():
     assert done.returncode == 0, done.stderr[-4000:]
     lines = done.stdout.split("\n")
     assert sum(line.startswith("_norm_pass") for line in lines) == 4, done.stdout
+    assert sum(line.startswith("_norm_pairs") for line in lines) == 2, done.stdout
