@@ -17,10 +17,13 @@ process, this is where one variant doing work for another would show.
 ``torch.compile``, so compiled variants are compared in one process (compiled batch-1 steps
 of one code spread by over 20% across processes, NOTES sessions 16-17). There only variants
 without ``dora_torch.config`` overrides run (a graph is traced with the config of its first
-call; switching it per step would retrace), plus those that differ in Inductor options:
+call; switching it per step would retrace), plus those that differ in Inductor options,
+and those whose setting only a trace reads (``COMPILED_ONLY``: each is traced under its
+own value, which its steps keep):
   - ``ours_static_launch``: Inductor launches our Triton kernels with its static launcher
     (``torch.compile(options={"static_launch_user_defined_triton_kernels": True})``), as
-    it does its own kernels; compiled modes only.
+    it does its own kernels; compiled modes only;
+  - ``ours_norm_op`` (below).
 
 ``--workload infer`` times a no-grad forward in eval mode instead of the training step (the
 inference rows of issue 10: compiled inference ≤ 1.05× compiled PEFT LoRA), in the same
@@ -57,6 +60,8 @@ Variants (each on a fresh copy of the 8-layer base, ``lora_alpha = 2r``, AdamW f
     these two also run in compiled modes;
   - ``ours_norm_slices``: the one-pass norm (r ≤ ``NORM_PASS_MAX_RANK``) over up to 8
     slices of d_in where its row blocks leave SMs idle (``NORM_PASS_MAX_SLICES = 8``);
+  - ``ours_norm_op``: compiled graphs compute the norm with one opaque op running the eager
+    kernels (``COMPILED_NORM_OP``), not traced by Inductor (compiled modes only);
   - ``ours_recompute``: ``recompute_modules`` for q, k and o (``bench_model_torch.RECOMPUTE``);
   - ``ours_stacked``: ``stack_modules=".*"`` (``bench_model_torch.STACK``; the backward's one
     dx GEMM; eager only: compiled graphs take the two-GEMM path); ``ours_stacked_fwd``: the
@@ -99,6 +104,7 @@ VARIANTS = {
     "ours_streams": ("ours", {}),
     "ours_norm_buffer": ("ours", {}),
     "ours_norm_slices": ("ours", {"NORM_PASS_MAX_SLICES": 8}),
+    "ours_norm_op": ("ours", {"COMPILED_NORM_OP": True}),
     "ours_recompute": ("ours_recompute", {}),  # recompute_modules (bench_model_torch.RECOMPUTE)
     "ours_stacked": ("ours_stacked", {}),  # stack_modules (bench_model_torch.STACK)
     "ours_stacked_fwd": ("ours_stacked", {"STACK_FORWARD": True}),
@@ -115,10 +121,13 @@ BUILD_OVERRIDES = {
 INDUCTOR_OPTIONS = {"ours_static_launch": {"static_launch_user_defined_triton_kernels": True}}
 #: Variants whose difference only eager calls see (compiled graphs take the two-GEMM path).
 EAGER_ONLY = {"ours_stacked", "ours_stacked_fwd", "ours_recompute_stacked"}
+#: Variants whose setting only compiled graphs read (when traced, under the variant's values:
+#: Dynamo guards on them), so compiled modes run them despite their overrides.
+COMPILED_ONLY = {"ours_norm_op"}
 #: The variants the summary compares with PEFT LoRA (the others are diagnostics of ours).
 SUMMARIZED = ("ours", "ours_rev", "ours_recompute", "ours_stacked", "ours_stacked_fwd",
               "ours_recompute_stacked", "ours_streams", "ours_norm_buffer",
-              "ours_norm_slices")  # fmt: skip
+              "ours_norm_slices", "ours_norm_op")  # fmt: skip
 MODES = ("eager", "compile", "reduce-overhead")
 WORKLOADS = ("train", "infer")
 SWITCHES = sorted({key for _, overrides in VARIANTS.values() for key in overrides})
@@ -138,16 +147,17 @@ SAMPLES = ("step", "fwd_host", "bwd_host", "fwd_gpu", "bwd_gpu", "opt_gpu")
 
 def variants_for(mode: str, requested=None) -> list[str]:
     """The variants a run in ``mode`` times, in VARIANTS' order: eager runs those without
-    Inductor options, compiled modes those without ``dora_torch.config`` overrides;
-    ``requested`` (names) narrows either."""
+    Inductor options or a setting only traces read, compiled modes those without
+    ``dora_torch.config`` overrides other than such a setting; ``requested`` (names) narrows
+    either."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}; got {mode!r}")
     out = []
     for name, (_, overrides) in VARIANTS.items():
         if mode == "eager":
-            fits_mode = name not in INDUCTOR_OPTIONS
+            fits_mode = name not in INDUCTOR_OPTIONS and name not in COMPILED_ONLY
         else:
-            fits_mode = not overrides and name not in EAGER_ONLY
+            fits_mode = (not overrides or name in COMPILED_ONLY) and name not in EAGER_ONLY
         if fits_mode and (requested is None or name in requested):
             out.append(name)
     return out

@@ -71,6 +71,12 @@ NORM_GROUP_STREAMS = 1
 #: built or accelerated (``dora_torch.Linear``, ``inject``, ``accelerate_peft``).
 COMPILED_TRAIN_NORM = "graph"
 
+#: Compiled graphs that compute a norm (training graphs with ``COMPILED_TRAIN_NORM =
+#: "graph"``, and any graph with no norm buffer to read) call it as one opaque op,
+#: ``dora_torch::detached_norm``, that runs the eager code's kernels (True), or let Inductor
+#: trace its GEMMs and Triton kernels (False). Read when a graph is traced.
+COMPILED_NORM_OP = False
+
 #: Compiled training graphs read ‖W‖² from the module's ``dora_base_sq`` buffer (kept by
 #: ``dora_torch.cache``, refreshed eagerly) instead of recomputing it from W in every step,
 #: which reads W once more where the one-pass norm does not run (r > ``NORM_PASS_MAX_RANK``).

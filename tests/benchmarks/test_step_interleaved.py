@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from benchmarks.bench_step_interleaved import (
+    COMPILED_ONLY,
     FIELDS,
     INDUCTOR_OPTIONS,
     VARIANTS,
@@ -19,17 +20,20 @@ from benchmarks.bench_step_interleaved import (
 )
 
 
-def test_eager_runs_every_variant_without_inductor_options():
-    assert variants_for("eager") == [n for n in VARIANTS if n not in INDUCTOR_OPTIONS]
+def test_eager_runs_every_variant_without_inductor_options_or_a_trace_only_setting():
+    assert variants_for("eager") == [
+        n for n in VARIANTS if n not in INDUCTOR_OPTIONS and n not in COMPILED_ONLY
+    ]
+    assert "ours_norm_op" not in variants_for("eager")
     assert "ours_layer_norms" in variants_for("eager")
     assert "ours_stacked" in variants_for("eager")
 
 
 @pytest.mark.parametrize("mode", ["compile", "reduce-overhead"])
-def test_compiled_modes_run_only_variants_without_config_overrides(mode):
+def test_compiled_modes_run_only_variants_without_config_overrides_but_trace_only_ones(mode):
     got = variants_for(mode)
     assert got == ["peft_lora", "ours", "ours_static_launch", "ours_streams", "ours_norm_buffer",
-                   "ours_recompute", "peft_dora"]  # fmt: skip
+                   "ours_norm_op", "ours_recompute", "peft_dora"]  # fmt: skip
     assert variants_for(mode, {"peft_lora", "ours", "ours_layer_norms"}) == ["peft_lora", "ours"]
 
 

@@ -227,6 +227,43 @@ def _compiled_train_graphs(layer, x):
     return y, "\n".join(g.code for g in backend.fw_graphs)
 
 
+@pytest.mark.parametrize("as_op", [False, True])
+def test_compiled_training_computes_the_norm_as_one_op_only_when_switched_on(monkeypatch, as_op):
+    """``config.COMPILED_NORM_OP``: the compiled training graph computes the norm with one
+    ``dora_torch::detached_norm`` call (the eager code, run as it is; traced otherwise: no
+    such op), and its output is an uncached eager call's, across optimizer steps."""
+    from dora_torch import config
+
+    monkeypatch.setattr(config, "COMPILED_NORM_OP", as_op)
+    torch._dynamo.reset()
+    layer = _layer().train()
+    x = torch.randn(5, 24)
+    opt = torch.optim.AdamW([p for p in layer.parameters() if p.requires_grad], lr=0.05)
+    for _ in range(3):
+        opt.zero_grad()
+        y, code = _compiled_train_graphs(layer, x)
+        torch.testing.assert_close(y, uncached_output(layer, x), rtol=1e-6, atol=1e-6)
+        assert code.count("dora_torch.detached_norm") == int(as_op)
+        y.square().mean().backward()
+        opt.step()
+
+
+def test_own_tickets_gives_launches_zeros_of_their_own():
+    """Inside ``own_tickets`` (an opaque op's body) a launch gets fresh zeros; outside, the
+    stream's shared buffer, the same tensor each time."""
+    from dora_torch.kernels.workspace import own_tickets, ticket_counters
+
+    device = torch.device("cpu")
+    shared = ticket_counters(device, 4)
+    assert ticket_counters(device, 4) is shared
+    with own_tickets():
+        with own_tickets():
+            inner = ticket_counters(device, 4)
+        own = ticket_counters(device, 4)
+    assert own is not shared and inner is not shared and not own.any()
+    assert ticket_counters(device, 4) is shared
+
+
 @pytest.mark.parametrize("buffer", [False, True])
 def test_compiled_training_reads_the_base_sq_buffer_only_when_switched_on(monkeypatch, buffer):
     """``config.COMPILED_BASE_SQ_BUFFER``: the compiled training graph takes ‖W‖² from the

@@ -194,3 +194,35 @@ def test_compiled_training_reading_the_norm_buffer_matches_eager(monkeypatch, mo
             torch.testing.assert_close(layer.dora_norm, n, rtol=1e-6, atol=0)
     group = layers[0]._dora_norm_cache.group
     assert group.streams == 2 and group.replays >= 3
+
+
+@pytest.mark.parametrize("mode", [None, "reduce-overhead"])
+@pytest.mark.parametrize("r", [16, 256])
+def test_compiled_training_with_the_norm_as_one_op_follows_eager(monkeypatch, mode, r):
+    """``config.COMPILED_NORM_OP``: the compiled training graph's norm is one opaque op that
+    runs the eager kernels (the one-pass norm at r = 16, U, G and the pairs assembly with its
+    tickets at r = 256), under CUDA graphs too, from a process with no shared tickets yet
+    (a buffer made in the tree's warm-up would be refused as untracked pool memory). Four
+    fused-AdamW steps against an eager twin, and the graph's norm is the current one."""
+    from dora_torch import config
+    from dora_torch.kernels import workspace
+
+    monkeypatch.setattr(config, "COMPILED_NORM_OP", True)
+    monkeypatch.setattr(workspace, "_TICKETS", {})
+    torch._dynamo.reset()
+    layer, twin = (_layer(torch.bfloat16, r=r) for _ in range(2))
+    compiled = torch.compile(layer, mode=mode, fullgraph=True)
+    opts = [torch.optim.AdamW(_params(m), lr=1e-2, fused=True) for m in (layer, twin)]
+    x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)
+    for _ in range(4):
+        for run, opt in zip((compiled, twin), opts):
+            torch.compiler.cudagraph_mark_step_begin()
+            opt.zero_grad(set_to_none=True)
+            run(x).float().square().mean().backward()
+            opt.step()
+        for a, b in zip(_params(layer), _params(twin)):
+            torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
+    torch.compiler.cudagraph_mark_step_begin()
+    with torch.no_grad():
+        y = compiled(x).clone()
+    torch.testing.assert_close(y, _fresh(layer, x), rtol=2e-2, atol=2e-2)
