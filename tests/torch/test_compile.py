@@ -227,6 +227,19 @@ def _compiled_train_graphs(layer, x):
     return y, "\n".join(g.code for g in backend.fw_graphs)
 
 
+def _compiled_steps_match_uncached(layer, x, steps=3):
+    """Yields the forward graph code of each of ``steps`` compiled AdamW training steps of
+    ``layer`` on ``x``, after checking its output against an uncached eager call."""
+    opt = torch.optim.AdamW([p for p in layer.parameters() if p.requires_grad], lr=0.05)
+    for _ in range(steps):
+        opt.zero_grad()
+        y, code = _compiled_train_graphs(layer, x)
+        torch.testing.assert_close(y, uncached_output(layer, x), rtol=1e-6, atol=1e-6)
+        yield code
+        y.square().mean().backward()
+        opt.step()
+
+
 @pytest.mark.parametrize("as_op", [False, True])
 def test_compiled_training_computes_the_norm_as_one_op_only_when_switched_on(monkeypatch, as_op):
     """``config.COMPILED_NORM_OP``: the compiled training graph computes the norm with one
@@ -236,16 +249,8 @@ def test_compiled_training_computes_the_norm_as_one_op_only_when_switched_on(mon
 
     monkeypatch.setattr(config, "COMPILED_NORM_OP", as_op)
     torch._dynamo.reset()
-    layer = _layer().train()
-    x = torch.randn(5, 24)
-    opt = torch.optim.AdamW([p for p in layer.parameters() if p.requires_grad], lr=0.05)
-    for _ in range(3):
-        opt.zero_grad()
-        y, code = _compiled_train_graphs(layer, x)
-        torch.testing.assert_close(y, uncached_output(layer, x), rtol=1e-6, atol=1e-6)
+    for code in _compiled_steps_match_uncached(_layer().train(), torch.randn(5, 24)):
         assert code.count("dora_torch.detached_norm") == int(as_op)
-        y.square().mean().backward()
-        opt.step()
 
 
 def test_own_tickets_gives_launches_zeros_of_their_own():
@@ -275,15 +280,8 @@ def test_compiled_training_reads_the_base_sq_buffer_only_when_switched_on(monkey
     torch._dynamo.reset()
     layer = _layer().train()  # built with the switch as set: attach fills the buffer
     assert layer.dora_base_sq.numel() == (20 if buffer else 0)
-    x = torch.randn(5, 24)
-    opt = torch.optim.AdamW([p for p in layer.parameters() if p.requires_grad], lr=0.05)
-    for _ in range(3):
-        opt.zero_grad()
-        y, code = _compiled_train_graphs(layer, x)
-        torch.testing.assert_close(y, uncached_output(layer, x), rtol=1e-6, atol=1e-6)
+    for code in _compiled_steps_match_uncached(layer, torch.randn(5, 24)):
         assert ("linalg_vector_norm" in code) is not buffer
-        y.square().mean().backward()
-        opt.step()
 
 
 def test_compiled_training_base_sq_follows_loads_and_steps_and_its_limit(monkeypatch):

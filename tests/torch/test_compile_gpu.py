@@ -104,6 +104,19 @@ def test_compiled_training_with_fused_adamw_and_compiled_eval_stay_fresh(mode):
         torch.testing.assert_close(layer.dora_norm, n, rtol=1e-6, atol=0)
 
 
+def _steps_follow_twin(compiled, layer, twin, opts, x, steps=4):
+    """``steps`` training steps of ``compiled`` (``layer``'s compiled form) and of the eager
+    ``twin``, each with its optimizer of ``opts``: their adapters agree after every step."""
+    for _ in range(steps):
+        for run, opt in zip((compiled, twin), opts):
+            torch.compiler.cudagraph_mark_step_begin()
+            opt.zero_grad(set_to_none=True)
+            run(x).float().square().mean().backward()
+            opt.step()
+        for a, b in zip(_params(layer), _params(twin)):
+            torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
+
+
 @pytest.mark.parametrize("adapter_dtype", [torch.bfloat16, torch.float32])
 def test_reduce_overhead_training_from_a_fresh_process_state(monkeypatch, adapter_dtype):
     """mode="reduce-overhead" training whose first compiled call is the process's first
@@ -119,14 +132,7 @@ def test_reduce_overhead_training_from_a_fresh_process_state(monkeypatch, adapte
     compiled = torch.compile(layer, mode="reduce-overhead")
     opts = [torch.optim.AdamW(_params(m), lr=1e-2, foreach=True) for m in (layer, twin)]
     x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)
-    for _ in range(4):
-        for run, opt in zip((compiled, twin), opts):
-            torch.compiler.cudagraph_mark_step_begin()
-            opt.zero_grad(set_to_none=True)
-            run(x).float().square().mean().backward()
-            opt.step()
-        for a, b in zip(_params(layer), _params(twin)):
-            torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
+    _steps_follow_twin(compiled, layer, twin, opts, x)
 
 
 @pytest.mark.parametrize("r", [16, 64])  # the one-pass norm and the GEMM norm
@@ -214,14 +220,7 @@ def test_compiled_training_with_the_norm_as_one_op_follows_eager(monkeypatch, mo
     compiled = torch.compile(layer, mode=mode, fullgraph=True)
     opts = [torch.optim.AdamW(_params(m), lr=1e-2, fused=True) for m in (layer, twin)]
     x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)
-    for _ in range(4):
-        for run, opt in zip((compiled, twin), opts):
-            torch.compiler.cudagraph_mark_step_begin()
-            opt.zero_grad(set_to_none=True)
-            run(x).float().square().mean().backward()
-            opt.step()
-        for a, b in zip(_params(layer), _params(twin)):
-            torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
+    _steps_follow_twin(compiled, layer, twin, opts, x)
     torch.compiler.cudagraph_mark_step_begin()
     with torch.no_grad():
         y = compiled(x).clone()
