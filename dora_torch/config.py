@@ -77,6 +77,13 @@ COMPILED_TRAIN_NORM = "graph"
 #: trace its GEMMs and Triton kernels (False). Read when a graph is traced.
 COMPILED_NORM_OP = False
 
+#: Compiled graphs run the fused tier's products and composition as torch ops (the eager
+#: tier's code: x Wᵀ, (x Aᵀ) Bᵀ and g ⊙ (base + s·lora) + bias, and its backward), so that
+#: Inductor fuses the composition with the pointwise ops around the layer (SiLU·up, RoPE,
+#: residual adds), as it does for a LoRA layer (True); or call the Triton compose and
+#: backward kernels (False). The norm keeps its tier either way. Read when a graph is traced.
+COMPILED_TORCH_COMPOSE = False
+
 #: Compiled training graphs read ‖W‖² from the module's ``dora_base_sq`` buffer (kept by
 #: ``dora_torch.cache``, refreshed eagerly) instead of recomputing it from W in every step,
 #: which reads W once more where the one-pass norm does not run (r > ``NORM_PASS_MAX_RANK``).

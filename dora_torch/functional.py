@@ -203,6 +203,8 @@ def _dora_linear(
                 f"inputs); got {norm.dtype} {tuple(norm.shape)}"
             )
         n = norm.detach()
+    if tier == "fused" and config.COMPILED_TORCH_COMPOSE and torch.compiler.is_compiling():
+        tier = "eager"  # the products and composition as torch ops, for Inductor to fuse
     y = _run(x, weight, lora_A, lora_B, magnitude, n, scaling, bias, tier=tier,
              dropout_p=dropout_p, training=training, recompute_inner=recompute_inner)  # fmt: skip
     return y, tier

@@ -253,6 +253,27 @@ def test_compiled_training_computes_the_norm_as_one_op_only_when_switched_on(mon
         assert code.count("dora_torch.detached_norm") == int(as_op)
 
 
+def test_compiled_torch_compose_traces_the_fused_tier_as_torch_ops(monkeypatch):
+    """``config.COMPILED_TORCH_COMPOSE``: a fused-tier layer's compiled graphs hold no Triton
+    kernel of ours (the norm is the opaque op here, the products and composition torch ops;
+    the interpreter's kernels cannot be traced, so without the switch this fails to compile),
+    and training steps and the eval forward give the uncached fused layer's output."""
+    from dora_torch import config
+
+    monkeypatch.setattr(config, "COMPILED_NORM_OP", True)
+    monkeypatch.setattr(config, "COMPILED_TORCH_COMPOSE", True)
+    torch._dynamo.reset()
+    layer = _layer().train()
+    layer.impl = "fused"
+    x = torch.randn(5, 24)
+    for code in _compiled_steps_match_uncached(layer, x):
+        assert "triton" not in code and code.count("dora_torch.detached_norm") == 1
+    layer.eval()
+    with torch.no_grad():
+        y, code = _compiled_train_graphs(layer, x)
+        torch.testing.assert_close(y, uncached_output(layer, x), rtol=1e-6, atol=1e-6)
+
+
 def test_own_tickets_gives_launches_zeros_of_their_own():
     """Inside ``own_tickets`` (an opaque op's body) a launch gets fresh zeros; outside, the
     stream's shared buffer, the same tensor each time."""

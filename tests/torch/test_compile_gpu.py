@@ -225,3 +225,26 @@ def test_compiled_training_with_the_norm_as_one_op_follows_eager(monkeypatch, mo
     with torch.no_grad():
         y = compiled(x).clone()
     torch.testing.assert_close(y, _fresh(layer, x), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("mode", [None, "reduce-overhead"])
+@pytest.mark.parametrize("r", [16, 256])
+def test_compiled_torch_compose_follows_eager_in_training_and_inference(monkeypatch, mode, r):
+    """``config.COMPILED_TORCH_COMPOSE``: compiled graphs run the products and composition as
+    torch ops (no compose or backward kernel of ours in the graph). Four fused-AdamW steps
+    follow an eager twin of the fused tier, and the compiled eval forward gives the fresh
+    fused output."""
+    from dora_torch import config
+
+    monkeypatch.setattr(config, "COMPILED_TORCH_COMPOSE", True)
+    torch._dynamo.reset()
+    layer, twin = (_layer(torch.bfloat16, r=r) for _ in range(2))
+    compiled = torch.compile(layer, mode=mode, fullgraph=True)
+    opts = [torch.optim.AdamW(_params(m), lr=1e-2, fused=True) for m in (layer, twin)]
+    x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)
+    _steps_follow_twin(compiled, layer, twin, opts, x)
+    layer.eval()
+    torch.compiler.cudagraph_mark_step_begin()
+    with torch.no_grad():
+        y = compiled(x).clone()
+    torch.testing.assert_close(y, _fresh(layer, x), rtol=2e-2, atol=2e-2)
