@@ -64,7 +64,8 @@ Variants (each on a fresh copy of the 8-layer base, ``lora_alpha = 2r``, AdamW f
     kernels (``COMPILED_NORM_OP``), not traced by Inductor (compiled modes only);
   - ``ours_torch_compose``: compiled graphs run the products and the composition as torch
     ops that Inductor fuses with its neighbors (``COMPILED_TORCH_COMPOSE``; compiled modes
-    only); ``ours_norm_op_torch_compose``: both settings;
+    only); ``ours_norm_op_torch_compose``: with the norm op; ``ours_norm_buffer_torch_compose``:
+    with ``ours_norm_buffer``'s settings;
   - ``ours_recompute``: ``recompute_modules`` for q, k and o (``bench_model_torch.RECOMPUTE``);
   - ``ours_stacked``: ``stack_modules=".*"`` (``bench_model_torch.STACK``; the backward's one
     dx GEMM; eager only: compiled graphs take the two-GEMM path); ``ours_stacked_fwd``: the
@@ -113,6 +114,7 @@ VARIANTS = {
         "ours",
         {"COMPILED_NORM_OP": True, "COMPILED_TORCH_COMPOSE": True},
     ),
+    "ours_norm_buffer_torch_compose": ("ours", {"COMPILED_TORCH_COMPOSE": True}),
     "ours_recompute": ("ours_recompute", {}),  # recompute_modules (bench_model_torch.RECOMPUTE)
     "ours_stacked": ("ours_stacked", {}),  # stack_modules (bench_model_torch.STACK)
     "ours_stacked_fwd": ("ours_stacked", {"STACK_FORWARD": True}),
@@ -124,6 +126,7 @@ VARIANTS = {
 BUILD_OVERRIDES = {
     "ours_streams": {"NORM_GROUP_STREAMS": 4},
     "ours_norm_buffer": {"NORM_GROUP_STREAMS": 4, "COMPILED_TRAIN_NORM": "buffer"},
+    "ours_norm_buffer_torch_compose": {"NORM_GROUP_STREAMS": 4, "COMPILED_TRAIN_NORM": "buffer"},
 }
 #: Inductor options of the compiled variants (``torch.compile(..., options=...)``).
 INDUCTOR_OPTIONS = {"ours_static_launch": {"static_launch_user_defined_triton_kernels": True}}
@@ -131,12 +134,13 @@ INDUCTOR_OPTIONS = {"ours_static_launch": {"static_launch_user_defined_triton_ke
 EAGER_ONLY = {"ours_stacked", "ours_stacked_fwd", "ours_recompute_stacked"}
 #: Variants whose setting only compiled graphs read (when traced, under the variant's values:
 #: Dynamo guards on them), so compiled modes run them despite their overrides.
-COMPILED_ONLY = {"ours_norm_op", "ours_torch_compose", "ours_norm_op_torch_compose"}
+COMPILED_ONLY = {"ours_norm_op", "ours_torch_compose", "ours_norm_op_torch_compose",
+                 "ours_norm_buffer_torch_compose"}  # fmt: skip
 #: The variants the summary compares with PEFT LoRA (the others are diagnostics of ours).
 SUMMARIZED = ("ours", "ours_rev", "ours_recompute", "ours_stacked", "ours_stacked_fwd",
               "ours_recompute_stacked", "ours_streams", "ours_norm_buffer",
               "ours_norm_slices", "ours_norm_op", "ours_torch_compose",
-              "ours_norm_op_torch_compose")  # fmt: skip
+              "ours_norm_op_torch_compose", "ours_norm_buffer_torch_compose")  # fmt: skip
 MODES = ("eager", "compile", "reduce-overhead")
 WORKLOADS = ("train", "infer")
 SWITCHES = sorted({key for _, overrides in VARIANTS.values() for key in overrides})
