@@ -202,6 +202,23 @@ def test_compiled_training_reading_the_norm_buffer_matches_eager(monkeypatch, mo
     assert group.streams == 2 and group.replays >= 3
 
 
+def _follows_twin_then_fresh(mode, r, *, evaluate=False):
+    """Four fused-AdamW steps of a compiled bf16 layer of rank ``r`` (``mode``) against an
+    eager twin, then a compiled no-grad call (in eval mode with ``evaluate``) against the
+    fresh fused output."""
+    torch._dynamo.reset()
+    layer, twin = (_layer(torch.bfloat16, r=r) for _ in range(2))
+    compiled = torch.compile(layer, mode=mode, fullgraph=True)
+    opts = [torch.optim.AdamW(_params(m), lr=1e-2, fused=True) for m in (layer, twin)]
+    x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)
+    _steps_follow_twin(compiled, layer, twin, opts, x)
+    layer.train(not evaluate)
+    torch.compiler.cudagraph_mark_step_begin()
+    with torch.no_grad():
+        y = compiled(x).clone()
+    torch.testing.assert_close(y, _fresh(layer, x), rtol=2e-2, atol=2e-2)
+
+
 @pytest.mark.parametrize("mode", [None, "reduce-overhead"])
 @pytest.mark.parametrize("r", [16, 256])
 def test_compiled_training_with_the_norm_as_one_op_follows_eager(monkeypatch, mode, r):
@@ -215,36 +232,27 @@ def test_compiled_training_with_the_norm_as_one_op_follows_eager(monkeypatch, mo
 
     monkeypatch.setattr(config, "COMPILED_NORM_OP", True)
     monkeypatch.setattr(workspace, "_TICKETS", {})
-    torch._dynamo.reset()
-    layer, twin = (_layer(torch.bfloat16, r=r) for _ in range(2))
-    compiled = torch.compile(layer, mode=mode, fullgraph=True)
-    opts = [torch.optim.AdamW(_params(m), lr=1e-2, fused=True) for m in (layer, twin)]
-    x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)
-    _steps_follow_twin(compiled, layer, twin, opts, x)
-    torch.compiler.cudagraph_mark_step_begin()
-    with torch.no_grad():
-        y = compiled(x).clone()
-    torch.testing.assert_close(y, _fresh(layer, x), rtol=2e-2, atol=2e-2)
+    _follows_twin_then_fresh(mode, r)
 
 
 @pytest.mark.parametrize("mode", [None, "reduce-overhead"])
 @pytest.mark.parametrize("r", [16, 256])
 def test_compiled_torch_compose_follows_eager_in_training_and_inference(monkeypatch, mode, r):
     """``config.COMPILED_TORCH_COMPOSE``: compiled graphs run the products and composition as
-    torch ops (no compose or backward kernel of ours in the graph). Four fused-AdamW steps
+    torch ops (tracing our compose or backward kernel raises here). Four fused-AdamW steps
     follow an eager twin of the fused tier, and the compiled eval forward gives the fresh
     fused output."""
-    from dora_torch import config
+    from dora_torch import config, ops
+
+    def eager_only(kernel):
+        def call(*args, **kwargs):
+            if torch.compiler.is_compiling():
+                raise AssertionError(f"{kernel.__name__} traced into a compiled graph")
+            return kernel(*args, **kwargs)
+
+        return call
 
     monkeypatch.setattr(config, "COMPILED_TORCH_COMPOSE", True)
-    torch._dynamo.reset()
-    layer, twin = (_layer(torch.bfloat16, r=r) for _ in range(2))
-    compiled = torch.compile(layer, mode=mode, fullgraph=True)
-    opts = [torch.optim.AdamW(_params(m), lr=1e-2, fused=True) for m in (layer, twin)]
-    x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)
-    _steps_follow_twin(compiled, layer, twin, opts, x)
-    layer.eval()
-    torch.compiler.cudagraph_mark_step_begin()
-    with torch.no_grad():
-        y = compiled(x).clone()
-    torch.testing.assert_close(y, _fresh(layer, x), rtol=2e-2, atol=2e-2)
+    monkeypatch.setattr(ops, "compose_forward", eager_only(ops.compose_forward))
+    monkeypatch.setattr(ops, "scale_reduce", eager_only(ops.scale_reduce))
+    _follows_twin_then_fresh(mode, r, evaluate=True)
