@@ -23,7 +23,8 @@ own value, which its steps keep):
   - ``ours_static_launch``: Inductor launches our Triton kernels with its static launcher
     (``torch.compile(options={"static_launch_user_defined_triton_kernels": True})``), as
     it does its own kernels; compiled modes only;
-  - ``ours_norm_op``, ``ours_torch_compose`` and ``ours_norm_op_torch_compose`` (below).
+  - ``ours_torch_compose``, ``ours_kernel_compose`` and ``ours_norm_buffer_torch_compose``
+    (below).
 
 ``--workload infer`` times a no-grad forward in eval mode instead of the training step (the
 inference rows of issue 10: compiled inference ≤ 1.05× compiled PEFT LoRA), in the same
@@ -60,12 +61,12 @@ Variants (each on a fresh copy of the 8-layer base, ``lora_alpha = 2r``, AdamW f
     these two also run in compiled modes;
   - ``ours_norm_slices``: the one-pass norm (r ≤ ``NORM_PASS_MAX_RANK``) over up to 8
     slices of d_in where its row blocks leave SMs idle (``NORM_PASS_MAX_SLICES = 8``);
-  - ``ours_norm_op``: compiled graphs compute the norm with one opaque op running the eager
-    kernels (``COMPILED_NORM_OP``), not traced by Inductor (compiled modes only);
-  - ``ours_torch_compose``: compiled graphs run the products and the composition as torch
-    ops that Inductor fuses with its neighbors (``COMPILED_TORCH_COMPOSE``; compiled modes
-    only); ``ours_norm_op_torch_compose``: with the norm op; ``ours_norm_buffer_torch_compose``:
-    with ``ours_norm_buffer``'s settings;
+  - ``ours_torch_compose``: compiled training graphs too run the products and the
+    composition as torch ops that Inductor fuses with its neighbors
+    (``COMPILED_TORCH_COMPOSE = "always"``; the default, "inference", does so in graphs
+    that need no gradient); ``ours_kernel_compose``: no compiled graph does ("never");
+    ``ours_norm_buffer_torch_compose``: "always" with ``ours_norm_buffer``'s settings
+    (compiled modes only);
   - ``ours_recompute``: ``recompute_modules`` for q, k and o (``bench_model_torch.RECOMPUTE``);
   - ``ours_stacked``: ``stack_modules=".*"`` (``bench_model_torch.STACK``; the backward's one
     dx GEMM; eager only: compiled graphs take the two-GEMM path); ``ours_stacked_fwd``: the
@@ -108,13 +109,9 @@ VARIANTS = {
     "ours_streams": ("ours", {}),
     "ours_norm_buffer": ("ours", {}),
     "ours_norm_slices": ("ours", {"NORM_PASS_MAX_SLICES": 8}),
-    "ours_norm_op": ("ours", {"COMPILED_NORM_OP": True}),
-    "ours_torch_compose": ("ours", {"COMPILED_TORCH_COMPOSE": True}),
-    "ours_norm_op_torch_compose": (
-        "ours",
-        {"COMPILED_NORM_OP": True, "COMPILED_TORCH_COMPOSE": True},
-    ),
-    "ours_norm_buffer_torch_compose": ("ours", {"COMPILED_TORCH_COMPOSE": True}),
+    "ours_torch_compose": ("ours", {"COMPILED_TORCH_COMPOSE": "always"}),
+    "ours_kernel_compose": ("ours", {"COMPILED_TORCH_COMPOSE": "never"}),
+    "ours_norm_buffer_torch_compose": ("ours", {"COMPILED_TORCH_COMPOSE": "always"}),
     "ours_recompute": ("ours_recompute", {}),  # recompute_modules (bench_model_torch.RECOMPUTE)
     "ours_stacked": ("ours_stacked", {}),  # stack_modules (bench_model_torch.STACK)
     "ours_stacked_fwd": ("ours_stacked", {"STACK_FORWARD": True}),
@@ -134,13 +131,12 @@ INDUCTOR_OPTIONS = {"ours_static_launch": {"static_launch_user_defined_triton_ke
 EAGER_ONLY = {"ours_stacked", "ours_stacked_fwd", "ours_recompute_stacked"}
 #: Variants whose setting only compiled graphs read (when traced, under the variant's values:
 #: Dynamo guards on them), so compiled modes run them despite their overrides.
-COMPILED_ONLY = {"ours_norm_op", "ours_torch_compose", "ours_norm_op_torch_compose",
-                 "ours_norm_buffer_torch_compose"}  # fmt: skip
+COMPILED_ONLY = {"ours_torch_compose", "ours_kernel_compose", "ours_norm_buffer_torch_compose"}
 #: The variants the summary compares with PEFT LoRA (the others are diagnostics of ours).
 SUMMARIZED = ("ours", "ours_rev", "ours_recompute", "ours_stacked", "ours_stacked_fwd",
               "ours_recompute_stacked", "ours_streams", "ours_norm_buffer",
-              "ours_norm_slices", "ours_norm_op", "ours_torch_compose",
-              "ours_norm_op_torch_compose", "ours_norm_buffer_torch_compose")  # fmt: skip
+              "ours_norm_slices", "ours_torch_compose", "ours_kernel_compose",
+              "ours_norm_buffer_torch_compose")  # fmt: skip
 MODES = ("eager", "compile", "reduce-overhead")
 WORKLOADS = ("train", "infer")
 SWITCHES = sorted({key for _, overrides in VARIANTS.values() for key in overrides})

@@ -71,18 +71,13 @@ NORM_GROUP_STREAMS = 1
 #: built or accelerated (``dora_torch.Linear``, ``inject``, ``accelerate_peft``).
 COMPILED_TRAIN_NORM = "graph"
 
-#: Compiled graphs that compute a norm (training graphs with ``COMPILED_TRAIN_NORM =
-#: "graph"``, and any graph with no norm buffer to read) call it as one opaque op,
-#: ``dora_torch::detached_norm``, that runs the eager code's kernels (True), or let Inductor
-#: trace its GEMMs and Triton kernels (False). Read when a graph is traced.
-COMPILED_NORM_OP = False
-
-#: Compiled graphs run the fused tier's products and composition as torch ops (the eager
-#: tier's code: x Wᵀ, (x Aᵀ) Bᵀ and g ⊙ (base + s·lora) + bias, and its backward), so that
+#: Where compiled graphs run the fused tier's products and composition as torch ops (the
+#: eager tier's code: x Wᵀ, (x Aᵀ) Bᵀ, g ⊙ (base + s·lora) + bias, and its backward), so that
 #: Inductor fuses the composition with the pointwise ops around the layer (SiLU·up, RoPE,
-#: residual adds), as it does for a LoRA layer (True); or call the Triton compose and
-#: backward kernels (False). The norm keeps its tier either way. Read when a graph is traced.
-COMPILED_TORCH_COMPOSE = False
+#: residual adds) as it does for a LoRA layer, instead of calling our Triton compose and
+#: backward kernels: "inference" (graphs that need no gradient), "always" or "never". The
+#: norm keeps its tier. Read when a graph is traced.
+COMPILED_TORCH_COMPOSE = "inference"
 
 #: Compiled training graphs read ‖W‖² from the module's ``dora_base_sq`` buffer (kept by
 #: ``dora_torch.cache``, refreshed eagerly) instead of recomputing it from W in every step,

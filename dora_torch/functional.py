@@ -203,11 +203,24 @@ def _dora_linear(
                 f"inputs); got {norm.dtype} {tuple(norm.shape)}"
             )
         n = norm.detach()
-    if tier == "fused" and config.COMPILED_TORCH_COMPOSE and torch.compiler.is_compiling():
-        tier = "eager"  # the products and composition as torch ops, for Inductor to fuse
     y = _run(x, weight, lora_A, lora_B, magnitude, n, scaling, bias, tier=tier,
              dropout_p=dropout_p, training=training, recompute_inner=recompute_inner)  # fmt: skip
     return y, tier
+
+
+COMPILED_TORCH_COMPOSES = ("inference", "always", "never")
+
+
+def torch_compose(needs_grad: bool) -> bool:
+    """Whether a compiled graph runs the fused tier's products and composition as torch ops
+    (``config.COMPILED_TORCH_COMPOSE``), for a call that needs a gradient or not."""
+    when = config.COMPILED_TORCH_COMPOSE
+    if when not in COMPILED_TORCH_COMPOSES:
+        raise ValueError(
+            f"dora_torch.config.COMPILED_TORCH_COMPOSE must be one of {COMPILED_TORCH_COMPOSES}; "
+            f"got {when!r}"
+        )
+    return when == "always" or (when == "inference" and not needs_grad)
 
 
 def _run(
@@ -232,6 +245,8 @@ def _run(
         or n.requires_grad
         or (bias is not None and bias.requires_grad)
     )
+    if tier == "fused" and torch.compiler.is_compiling() and torch_compose(needs_grad):
+        tier = "eager"  # the products and composition as torch ops, for Inductor to fuse
     if not needs_grad:
         save = ops.SAVE_NONE
     elif recompute_inner:

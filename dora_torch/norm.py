@@ -21,7 +21,6 @@ import torch
 
 from . import checks, config
 from .kernels.norm_pass import norm_pass, norm_pass_applies
-from .kernels.workspace import own_tickets
 from .matmul import compute_dtype, mm_out
 
 
@@ -131,9 +130,6 @@ def detached_norm(
     Fused, at small ranks: one pass over W (``kernels/norm_pass.py``). Otherwise U only ever
     exists for ``config.norm_row_chunk(r)`` rows at a time (bounded transient).
     """
-    if config.COMPILED_NORM_OP and torch.compiler.is_compiling():
-        return _detached_norm_op(weight, lora_A.detach(), lora_B.detach(), base_sq, scaling,
-                                 fused, chunk_size)  # fmt: skip
     a = a_cast if a_cast is not None and a_cast.dtype == weight.dtype else None
     a = rounded_a(lora_A, weight) if a is None else a
     if fused and chunk_size is None and norm_pass_applies(weight, a.shape[0]):
@@ -153,29 +149,6 @@ def detached_norm(
         )
         out.append(part)
     return torch.cat(out)
-
-
-# The detached norm as one opaque op for compiled graphs (``config.COMPILED_NORM_OP``).
-_LIB = torch.library.Library("dora_torch", "FRAGMENT")
-_LIB.define(
-    "detached_norm(Tensor weight, Tensor lora_A, Tensor lora_B, Tensor? base_sq, float scaling, "
-    "bool fused, SymInt? chunk_size) -> Tensor"
-)
-
-
-def _detached_norm_body(weight, lora_A, lora_B, base_sq, scaling, fused, chunk_size):
-    """The op's body: the eager code, its kernels' tickets its own (``own_tickets``)."""
-    with own_tickets():
-        return detached_norm(weight, lora_A, lora_B, base_sq, scaling, fused, chunk_size)
-
-
-def _detached_norm_fake(weight, lora_A, lora_B, base_sq, scaling, fused, chunk_size):
-    return weight.new_empty((weight.shape[0],), dtype=compute_dtype(weight.dtype))
-
-
-_LIB.impl("detached_norm", _detached_norm_body, "CompositeExplicitAutograd")
-torch.library.register_fake("dora_torch::detached_norm", _detached_norm_fake, lib=_LIB)
-_detached_norm_op = torch.ops.dora_torch.detached_norm.default
 
 
 class _FactoredNorm(torch.autograd.Function):

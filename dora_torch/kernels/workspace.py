@@ -11,8 +11,6 @@ back to zero.
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 from triton.runtime import driver
 
@@ -20,35 +18,15 @@ from triton.runtime import driver
 #: every launch leaves the tickets it counted at zero, and launches on one stream run one
 #: after the other, so the buffer is zero whenever one starts.
 _TICKETS: dict[tuple[torch.device, int], torch.Tensor] = {}
-#: Depth of ``own_tickets`` blocks open now.
-_OWN = 0
-
-
-@contextlib.contextmanager
-def own_tickets():
-    """Launches inside get zeros of their own, as in a capture. For the bodies of opaque ops
-    in compiled graphs: a CUDA graph tree (``mode="reduce-overhead"``) runs them once before
-    capturing, on a stream of its own and allocating from the graph's memory pool, where a
-    shared buffer made then would outlive the graph, which the tree refuses."""
-    global _OWN
-    _OWN += 1
-    try:
-        yield
-    finally:
-        _OWN -= 1
 
 
 def ticket_counters(device: torch.device, count: int) -> torch.Tensor:
     """At least ``count`` int32 zeros, one per output block of a finisher-electing kernel. A
-    compiled graph, a CUDA-graph capture or an ``own_tickets`` block gets zeros of its own
-    (allocated, and zeroed, inside that graph, which may replay on any stream); eager launches
-    share their stream's buffer, which costs no allocation or fill launch per call."""
+    compiled graph or a CUDA-graph capture gets zeros of its own (allocated, and zeroed,
+    inside that graph, which may replay on any stream); eager launches share their stream's
+    buffer, which costs no allocation or fill launch per call."""
     on_cuda = device.type == "cuda"
-    if (
-        _OWN
-        or torch.compiler.is_compiling()
-        or (on_cuda and torch.cuda.is_current_stream_capturing())
-    ):
+    if torch.compiler.is_compiling() or (on_cuda and torch.cuda.is_current_stream_capturing()):
         return torch.zeros(count, dtype=torch.int32, device=device)
     key = (device, driver.active.get_current_stream(device.index) if on_cuda else 0)
     tickets = _TICKETS.get(key)

@@ -240,54 +240,58 @@ def _compiled_steps_match_uncached(layer, x, steps=3):
         opt.step()
 
 
-@pytest.mark.parametrize("as_op", [False, True])
-def test_compiled_training_computes_the_norm_as_one_op_only_when_switched_on(monkeypatch, as_op):
-    """``config.COMPILED_NORM_OP``: the compiled training graph computes the norm with one
-    ``dora_torch::detached_norm`` call (the eager code, run as it is; traced otherwise: no
-    such op), and its output is an uncached eager call's, across optimizer steps."""
+def _fused_layer():
+    """A layer of the fused tier (the interpreter's kernels, which Dynamo cannot trace)."""
+    layer = _layer()
+    layer.impl = "fused"
+    return layer
+
+
+@pytest.mark.parametrize("when", ["inference", "always"])
+def test_compiled_inference_composes_with_torch_ops(when):
+    """``config.COMPILED_TORCH_COMPOSE`` ("inference", the default, or "always"): a fused-tier
+    layer's compiled eval forward reads the norm buffer and runs the products and the
+    composition as torch ops (no Triton kernel in the graph: one could not be traced here),
+    and gives the uncached fused output."""
     from dora_torch import config
 
-    monkeypatch.setattr(config, "COMPILED_NORM_OP", as_op)
     torch._dynamo.reset()
-    for code in _compiled_steps_match_uncached(_layer().train(), torch.randn(5, 24)):
-        assert code.count("dora_torch.detached_norm") == int(as_op)
+    x = torch.randn(5, 24)
+    with pytest.MonkeyPatch.context() as patch, torch.no_grad():
+        patch.setattr(config, "COMPILED_TORCH_COMPOSE", when)
+        layer = _fused_layer().eval()
+        y, code = _compiled_train_graphs(layer, x)
+    assert "triton" not in code and "sqrt" not in code  # the norm: read from its buffer
+    torch.testing.assert_close(y, uncached_output(layer, x), rtol=1e-6, atol=1e-6)
 
 
-def test_compiled_torch_compose_traces_the_fused_tier_as_torch_ops(monkeypatch):
-    """``config.COMPILED_TORCH_COMPOSE``: a fused-tier layer's compiled graphs hold no Triton
-    kernel of ours (the norm is the opaque op here, the products and composition torch ops;
-    the interpreter's kernels cannot be traced, so without the switch this fails to compile),
-    and training steps and the eval forward give the uncached fused layer's output."""
+def test_compiled_training_composes_with_torch_ops_when_always(monkeypatch):
+    """``COMPILED_TORCH_COMPOSE = "always"``: compiled training graphs (here reading the norm
+    buffer, ``COMPILED_TRAIN_NORM = "buffer"``) run the forward and backward as torch ops
+    too, and follow an uncached fused layer over AdamW steps; with "inference" the training
+    graph calls the fused kernels, which the interpreter cannot trace."""
     from dora_torch import config
 
-    monkeypatch.setattr(config, "COMPILED_NORM_OP", True)
+    monkeypatch.setattr(config, "COMPILED_TRAIN_NORM", "buffer")
+    monkeypatch.setattr(config, "COMPILED_TORCH_COMPOSE", "always")
+    torch._dynamo.reset()
+    layer, x = _fused_layer().train(), torch.randn(5, 24)
+    for code in _compiled_steps_match_uncached(layer, x):
+        assert "triton" not in code
+    monkeypatch.setattr(config, "COMPILED_TORCH_COMPOSE", "inference")
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match=r"[Tt]riton"):
+        _compiled_train_graphs(layer, x)
+
+
+def test_an_unknown_compiled_torch_compose_is_refused_by_name(monkeypatch):
+    from dora_torch import config
+
     monkeypatch.setattr(config, "COMPILED_TORCH_COMPOSE", True)
     torch._dynamo.reset()
-    layer = _layer().train()
-    layer.impl = "fused"
-    x = torch.randn(5, 24)
-    for code in _compiled_steps_match_uncached(layer, x):
-        assert "triton" not in code and code.count("dora_torch.detached_norm") == 1
-    layer.eval()
-    with torch.no_grad():
-        y, code = _compiled_train_graphs(layer, x)
-        torch.testing.assert_close(y, uncached_output(layer, x), rtol=1e-6, atol=1e-6)
-
-
-def test_own_tickets_gives_launches_zeros_of_their_own():
-    """Inside ``own_tickets`` (an opaque op's body) a launch gets fresh zeros; outside, the
-    stream's shared buffer, the same tensor each time."""
-    from dora_torch.kernels.workspace import own_tickets, ticket_counters
-
-    device = torch.device("cpu")
-    shared = ticket_counters(device, 4)
-    assert ticket_counters(device, 4) is shared
-    with own_tickets():
-        with own_tickets():
-            inner = ticket_counters(device, 4)
-        own = ticket_counters(device, 4)
-    assert own is not shared and inner is not shared and not own.any()
-    assert ticket_counters(device, 4) is shared
+    layer = _fused_layer().eval()
+    with pytest.raises(Exception, match="COMPILED_TORCH_COMPOSE must be one of"), torch.no_grad():
+        torch.compile(layer, fullgraph=True, backend="aot_eager")(torch.randn(2, 24))
 
 
 @pytest.mark.parametrize("buffer", [False, True])

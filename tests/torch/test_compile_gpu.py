@@ -202,57 +202,39 @@ def test_compiled_training_reading_the_norm_buffer_matches_eager(monkeypatch, mo
     assert group.streams == 2 and group.replays >= 3
 
 
-def _follows_twin_then_fresh(mode, r, *, evaluate=False):
-    """Four fused-AdamW steps of a compiled bf16 layer of rank ``r`` (``mode``) against an
-    eager twin, then a compiled no-grad call (in eval mode with ``evaluate``) against the
-    fresh fused output."""
+@pytest.mark.parametrize("when", ["inference", "always"])
+@pytest.mark.parametrize("mode", [None, "reduce-overhead"])
+@pytest.mark.parametrize("r", [16, 256])
+def test_compiled_torch_compose_follows_eager_in_training_and_inference(monkeypatch, when, mode, r):
+    """``config.COMPILED_TORCH_COMPOSE``: compiled graphs that need no gradient ("inference",
+    the default) or all of them ("always") run the products and the composition as torch
+    ops (tracing our compose or backward kernel there raises). Four fused-AdamW steps follow
+    an eager twin of the fused tier, and the compiled eval forward gives the fresh fused
+    output. (That "inference" training graphs keep our kernels: ``test_compile.py``.)"""
+    from dora_torch import config, ops
+
+    always, evaluating = when == "always", {"now": False}  # (autograd's forward: grad off)
+
+    def refuse(kernel):
+        def call(*args, **kwargs):
+            if torch.compiler.is_compiling() and (always or evaluating["now"]):
+                raise AssertionError(f"{kernel.__name__} traced into a {when!r} graph")
+            return kernel(*args, **kwargs)
+
+        return call
+
+    monkeypatch.setattr(config, "COMPILED_TORCH_COMPOSE", when)
+    monkeypatch.setattr(ops, "compose_forward", refuse(ops.compose_forward))
+    monkeypatch.setattr(ops, "scale_reduce", refuse(ops.scale_reduce))
     torch._dynamo.reset()
     layer, twin = (_layer(torch.bfloat16, r=r) for _ in range(2))
     compiled = torch.compile(layer, mode=mode, fullgraph=True)
     opts = [torch.optim.AdamW(_params(m), lr=1e-2, fused=True) for m in (layer, twin)]
     x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)
     _steps_follow_twin(compiled, layer, twin, opts, x)
-    layer.train(not evaluate)
+    layer.eval()
+    evaluating["now"] = True
     torch.compiler.cudagraph_mark_step_begin()
     with torch.no_grad():
         y = compiled(x).clone()
     torch.testing.assert_close(y, _fresh(layer, x), rtol=2e-2, atol=2e-2)
-
-
-@pytest.mark.parametrize("mode", [None, "reduce-overhead"])
-@pytest.mark.parametrize("r", [16, 256])
-def test_compiled_training_with_the_norm_as_one_op_follows_eager(monkeypatch, mode, r):
-    """``config.COMPILED_NORM_OP``: the compiled training graph's norm is one opaque op that
-    runs the eager kernels (the one-pass norm at r = 16, U, G and the pairs assembly with its
-    tickets at r = 256), under CUDA graphs too, from a process with no shared tickets yet
-    (a buffer made in the tree's warm-up would be refused as untracked pool memory). Four
-    fused-AdamW steps against an eager twin, and the graph's norm is the current one."""
-    from dora_torch import config
-    from dora_torch.kernels import workspace
-
-    monkeypatch.setattr(config, "COMPILED_NORM_OP", True)
-    monkeypatch.setattr(workspace, "_TICKETS", {})
-    _follows_twin_then_fresh(mode, r)
-
-
-@pytest.mark.parametrize("mode", [None, "reduce-overhead"])
-@pytest.mark.parametrize("r", [16, 256])
-def test_compiled_torch_compose_follows_eager_in_training_and_inference(monkeypatch, mode, r):
-    """``config.COMPILED_TORCH_COMPOSE``: compiled graphs run the products and composition as
-    torch ops (tracing our compose or backward kernel raises here). Four fused-AdamW steps
-    follow an eager twin of the fused tier, and the compiled eval forward gives the fresh
-    fused output."""
-    from dora_torch import config, ops
-
-    def eager_only(kernel):
-        def call(*args, **kwargs):
-            if torch.compiler.is_compiling():
-                raise AssertionError(f"{kernel.__name__} traced into a compiled graph")
-            return kernel(*args, **kwargs)
-
-        return call
-
-    monkeypatch.setattr(config, "COMPILED_TORCH_COMPOSE", True)
-    monkeypatch.setattr(ops, "compose_forward", eager_only(ops.compose_forward))
-    monkeypatch.setattr(ops, "scale_reduce", eager_only(ops.scale_reduce))
-    _follows_twin_then_fresh(mode, r, evaluate=True)
