@@ -72,11 +72,12 @@ NORM_GROUP_STREAMS = 1
 COMPILED_TRAIN_NORM = "graph"
 
 #: Where compiled graphs run the fused tier's products and composition as torch ops (the
-#: eager tier's code: x Wᵀ, (x Aᵀ) Bᵀ, g ⊙ (base + s·lora) + bias, and its backward), so that
-#: Inductor fuses the composition with the pointwise ops around the layer (SiLU·up, RoPE,
-#: residual adds) as it does for a LoRA layer, instead of calling our Triton compose and
-#: backward kernels: "inference" (graphs that need no gradient), "always" or "never". The
-#: norm keeps its tier. Read when a graph is traced.
+#: eager tier's code: x Wᵀ, (x Aᵀ) Bᵀ, g ⊙ (base + s·lora) + bias), so that Inductor fuses
+#: the composition with the pointwise ops around the layer (SiLU·up, RoPE, residual adds) as
+#: it does for a LoRA layer, instead of calling our Triton compose kernel: "inference"
+#: (graphs that need no gradient), "forward" (training graphs' forwards too, before our
+#: backward kernels), "always" (the eager tier's backward too) or "never". The norm keeps
+#: its tier. Read when a graph is traced.
 COMPILED_TORCH_COMPOSE = "inference"
 
 #: Compiled training graphs read ‖W‖² from the module's ``dora_base_sq`` buffer (kept by

@@ -208,19 +208,21 @@ def _dora_linear(
     return y, tier
 
 
-COMPILED_TORCH_COMPOSES = ("inference", "always", "never")
+COMPILED_TORCH_COMPOSES = ("inference", "forward", "always", "never")
 
 
-def torch_compose(needs_grad: bool) -> bool:
-    """Whether a compiled graph runs the fused tier's products and composition as torch ops
-    (``config.COMPILED_TORCH_COMPOSE``), for a call that needs a gradient or not."""
+def torch_compose(needs_grad: bool) -> tuple[bool, bool]:
+    """For a compiled call of the fused tier that needs a gradient or not: whether its
+    forward runs as torch ops, and its backward too (``config.COMPILED_TORCH_COMPOSE``)."""
     when = config.COMPILED_TORCH_COMPOSE
     if when not in COMPILED_TORCH_COMPOSES:
         raise ValueError(
             f"dora_torch.config.COMPILED_TORCH_COMPOSE must be one of {COMPILED_TORCH_COMPOSES}; "
             f"got {when!r}"
         )
-    return when == "always" or (when == "inference" and not needs_grad)
+    if not needs_grad:
+        return (when != "never",) * 2
+    return when in ("forward", "always"), when == "always"
 
 
 def _run(
@@ -245,8 +247,10 @@ def _run(
         or n.requires_grad
         or (bias is not None and bias.requires_grad)
     )
-    if tier == "fused" and torch.compiler.is_compiling() and torch_compose(needs_grad):
-        tier = "eager"  # the products and composition as torch ops, for Inductor to fuse
+    torch_forward = False
+    if tier == "fused" and torch.compiler.is_compiling():
+        torch_forward, torch_backward = torch_compose(needs_grad)
+        tier = "eager" if torch_backward else tier  # torch ops, for Inductor to fuse
     if not needs_grad:
         save = ops.SAVE_NONE
     elif recompute_inner:
@@ -255,7 +259,7 @@ def _run(
         save = ops.SAVE_RECOVER  # see ops: when recovering inner from y is sound
     else:
         save = ops.SAVE_INNER
-    opts = ops.LinearOptions.of(scaling, tier, save)
+    opts = ops.LinearOptions.of(scaling, tier, save, torch_forward and tier == "fused")
     w = weight.detach() if weight.requires_grad else weight  # frozen: no gradient either way
     a, b = adapters or (detached_cast(lora_A, x.dtype), detached_cast(lora_B, x.dtype))
     if save == ops.SAVE_NONE:  # no autograd bookkeeping at all

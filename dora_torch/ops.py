@@ -64,18 +64,21 @@ SAVE_NONE, SAVE_INNER, SAVE_RECOVER, SAVE_RECOMPUTE = 0, 1, 2, 3
 
 @dataclass(frozen=True)
 class LinearOptions:
-    """What one call computes: s, the tier ("fused" | "eager") and the save mode."""
+    """What one call computes: s, the tier ("fused" | "eager"), the save mode, and whether
+    the fused tier's forward runs as torch ops (``torch_forward``: the eager tier's products
+    and composition, for Inductor to fuse, before the fused backward)."""
 
     scaling: float
     impl: str
     save: int
+    torch_forward: bool = False
 
     @staticmethod
-    def of(scaling: float, impl: str, save: int) -> LinearOptions:
+    def of(scaling: float, impl: str, save: int, torch_forward: bool = False) -> LinearOptions:
         """The shared instance for these values (a model has a few distinct ones; building a
         frozen dataclass per layer call cost host time)."""
         if torch.compiler.is_compiling():  # no global state inside a traced graph
-            return LinearOptions(scaling, impl, save)
+            return LinearOptions(scaling, impl, save, torch_forward)
         key = (scaling, impl, save)
         opts = _OPTIONS.get(key)
         if opts is None:
@@ -108,7 +111,7 @@ def forward_core(x, x_d, weight, a, b, magnitude, norm, bias, opts: LinearOption
     h = torch.mm(x_in, a.t())
     base = torch.mm(x, weight.t())
     base_d = base if x_d is None else torch.mm(x_d, weight.t())
-    if opts.impl == "fused":
+    if opts.impl == "fused" and not opts.torch_forward:
         y, inner = compose_forward(
             h,
             b,
@@ -147,12 +150,12 @@ def _eager_inner(base_d, lora, scaling):
 
 
 def recompute_inner(x_in, weight, h, b, opts: LinearOptions):
-    """inner = x_in Wᵀ + s·h Bᵀ in the activation dtype, as the forward of ``opts.impl``
-    rounds it (SAVE_RECOMPUTE): the fused tier in one cuBLAS call with beta = 1 over the base
-    product (fp32 accumulation, one rounding, as the compose kernel stores it), the eager tier
-    by ``_eager_inner``."""
+    """inner = x_in Wᵀ + s·h Bᵀ in the activation dtype, as the forward of ``opts`` rounds it
+    (SAVE_RECOMPUTE): the fused tier's kernel forward in one cuBLAS call with beta = 1 over
+    the base product (fp32 accumulation, one rounding, as the compose kernel stores it); the
+    eager tier and a torch forward (``opts.torch_forward``) by ``_eager_inner``."""
     base_d = torch.mm(x_in, weight.t())
-    if opts.impl == "fused":
+    if opts.impl == "fused" and not opts.torch_forward:
         return addmm_inplace(base_d, h, b.t(), opts.scaling)
     return _eager_inner(base_d, torch.mm(h, b.t()), opts.scaling)
 

@@ -247,9 +247,9 @@ def _fused_layer():
     return layer
 
 
-@pytest.mark.parametrize("when", ["inference", "always"])
+@pytest.mark.parametrize("when", ["inference", "forward", "always"])
 def test_compiled_inference_composes_with_torch_ops(when):
-    """``config.COMPILED_TORCH_COMPOSE`` ("inference", the default, or "always"): a fused-tier
+    """``config.COMPILED_TORCH_COMPOSE`` (any value but "never"): a fused-tier
     layer's compiled eval forward reads the norm buffer and runs the products and the
     composition as torch ops (no Triton kernel in the graph: one could not be traced here),
     and gives the uncached fused output."""
@@ -282,6 +282,45 @@ def test_compiled_training_composes_with_torch_ops_when_always(monkeypatch):
     torch._dynamo.reset()
     with pytest.raises(Exception, match=r"[Tt]riton"):
         _compiled_train_graphs(layer, x)
+
+
+@pytest.mark.parametrize("save", ["recover", "inner", "recompute", "dropout"])
+def test_a_torch_forward_before_the_fused_backward_gives_the_fused_results(monkeypatch, save):
+    """``COMPILED_TORCH_COMPOSE = "forward"`` runs ``LinearOptions(torch_forward=True)``: the
+    eager tier's forward, then the fused backward on what it saved (y to recover inner from,
+    inner, or nothing to recompute). Run eagerly here (the interpreter's kernels cannot be
+    traced): y and every gradient are the fused tier's, to fp32 rounding, and only the
+    backward ran a kernel."""
+    from dora_torch import ops
+
+    calls = []
+
+    def counted(kernel):
+        def call(*args, **kwargs):
+            calls.append(kernel.__name__)
+            return kernel(*args, **kwargs)
+
+        return call
+
+    monkeypatch.setattr(ops, "compose_forward", counted(ops.compose_forward))
+    monkeypatch.setattr(ops, "scale_reduce", counted(ops.scale_reduce))
+
+    x, W, A, B, m, _, s = random_case_tensors(31, lead=(7,))
+    n = dora_torch.factored_norm(W, A, B, s).detach()
+    mode = {"recover": ops.SAVE_RECOVER, "recompute": ops.SAVE_RECOMPUTE}.get(save, ops.SAVE_INNER)
+    x_d = torch.nn.functional.dropout(x, 0.3, training=True) if save == "dropout" else None
+    results = []
+    for torch_forward in (False, True):
+        leaves = [t.clone().requires_grad_(True) for t in (x, A, B, m)]
+        xl, Al, Bl, ml = leaves
+        xd = None if x_d is None else x_d.clone().requires_grad_(True)
+        opts = ops.LinearOptions(s, "fused", mode, torch_forward)
+        y = ops.apply_linear(xl, xd, W, Al, Bl, ml, n, None, Al.detach(), Bl.detach(), None, opts)
+        grads = torch.autograd.grad(y.square().sum(), leaves + ([xd] if xd is not None else []))
+        results.append((y, *grads))
+    assert calls == ["compose_forward", "scale_reduce", "scale_reduce"]
+    for got, want in zip(results[1], results[0], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_an_unknown_compiled_torch_compose_is_refused_by_name(monkeypatch):

@@ -202,30 +202,31 @@ def test_compiled_training_reading_the_norm_buffer_matches_eager(monkeypatch, mo
     assert group.streams == 2 and group.replays >= 3
 
 
-@pytest.mark.parametrize("when", ["inference", "always"])
+@pytest.mark.parametrize("when", ["inference", "forward", "always"])
 @pytest.mark.parametrize("mode", [None, "reduce-overhead"])
 @pytest.mark.parametrize("r", [16, 256])
 def test_compiled_torch_compose_follows_eager_in_training_and_inference(monkeypatch, when, mode, r):
     """``config.COMPILED_TORCH_COMPOSE``: compiled graphs that need no gradient ("inference",
-    the default) or all of them ("always") run the products and the composition as torch
-    ops (tracing our compose or backward kernel there raises). Four fused-AdamW steps follow
-    an eager twin of the fused tier, and the compiled eval forward gives the fresh fused
-    output. (That "inference" training graphs keep our kernels: ``test_compile.py``.)"""
+    the default), the forwards of all ("forward", before our backward kernels) or all of them
+    ("always") run the products and the composition as torch ops (tracing our compose or
+    backward kernel there raises). Four fused-AdamW steps follow an eager twin of the fused
+    tier, and the compiled eval forward gives the fresh fused output. (That "inference"
+    training graphs keep our kernels: ``test_compile.py``.)"""
     from dora_torch import config, ops
 
-    always, evaluating = when == "always", {"now": False}  # (autograd's forward: grad off)
+    evaluating = {"now": False}  # read at trace time (autograd's forward runs with grad off)
 
-    def refuse(kernel):
+    def refuse(kernel, in_training):
         def call(*args, **kwargs):
-            if torch.compiler.is_compiling() and (always or evaluating["now"]):
+            if torch.compiler.is_compiling() and (in_training or evaluating["now"]):
                 raise AssertionError(f"{kernel.__name__} traced into a {when!r} graph")
             return kernel(*args, **kwargs)
 
         return call
 
     monkeypatch.setattr(config, "COMPILED_TORCH_COMPOSE", when)
-    monkeypatch.setattr(ops, "compose_forward", refuse(ops.compose_forward))
-    monkeypatch.setattr(ops, "scale_reduce", refuse(ops.scale_reduce))
+    monkeypatch.setattr(ops, "compose_forward", refuse(ops.compose_forward, when != "inference"))
+    monkeypatch.setattr(ops, "scale_reduce", refuse(ops.scale_reduce, when == "always"))
     torch._dynamo.reset()
     layer, twin = (_layer(torch.bfloat16, r=r) for _ in range(2))
     compiled = torch.compile(layer, mode=mode, fullgraph=True)
