@@ -10,7 +10,9 @@ F = [W; a] or None: the stacked weights (``dora_torch.stacking``) whose rows W a
 the fused tier then forms x Fᵀ = [base | h] and dx = [dy_g | s·t] F, one GEMM each.
 x_d = dropout(x) or None (PEFT's dropout form, docs/design.md §1). ``opts`` is a frozen
 ``LinearOptions``: the scaling, the tier ("fused": Triton compose / backward kernels around
-cuBLAS GEMMs; "eager": the same algorithm in torch ops) and what is saved for backward.
+cuBLAS GEMMs; "eager": the same algorithm in torch ops), what is saved for backward, and
+whether a fused call's forward runs as the eager tier's torch ops (compiled graphs,
+``config.COMPILED_TORCH_COMPOSE = "forward"``).
 
 Dynamo traces this Function (forward and backward), and on CUDA it captures the Triton
 launches inside (user-defined Triton kernels), so ``torch.compile(fullgraph=True)`` sees one
@@ -79,12 +81,12 @@ class LinearOptions:
         frozen dataclass per layer call cost host time)."""
         if torch.compiler.is_compiling():  # no global state inside a traced graph
             return LinearOptions(scaling, impl, save, torch_forward)
-        key = (scaling, impl, save)
+        key = (scaling, impl, save, torch_forward)
         opts = _OPTIONS.get(key)
         if opts is None:
             if len(_OPTIONS) >= 1024:
                 _OPTIONS.clear()
-            opts = _OPTIONS[key] = LinearOptions(scaling, impl, save)
+            opts = _OPTIONS[key] = LinearOptions(*key)
         return opts
 
 

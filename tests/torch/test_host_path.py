@@ -257,6 +257,7 @@ def test_linear_options_are_shared_per_value():
     assert a is LinearOptions.of(2.0, "fused", 2)
     assert a == LinearOptions(2.0, "fused", 2)
     assert LinearOptions.of(2.0, "eager", 2) is not a
+    assert LinearOptions.of(2.0, "fused", 2, True) == LinearOptions(2.0, "fused", 2, True)
 
 
 def _grads(layer, x):
