@@ -211,18 +211,19 @@ def _dora_linear(
 COMPILED_TORCH_COMPOSES = ("inference", "forward", "always", "never")
 
 
-def torch_compose(needs_grad: bool) -> tuple[bool, bool]:
-    """For a compiled call of the fused tier that needs a gradient or not: whether its
-    forward runs as torch ops, and its backward too (``config.COMPILED_TORCH_COMPOSE``)."""
+def compiled_tier(needs_grad: bool) -> tuple[str, bool]:
+    """(tier, torch_forward) of a compiled call of the fused tier that needs a gradient or
+    not (``config.COMPILED_TORCH_COMPOSE``): "eager" runs forward and backward as torch ops;
+    "fused" with torch_forward its forward only, before the fused backward."""
     when = config.COMPILED_TORCH_COMPOSE
     if when not in COMPILED_TORCH_COMPOSES:
         raise ValueError(
             f"dora_torch.config.COMPILED_TORCH_COMPOSE must be one of {COMPILED_TORCH_COMPOSES}; "
             f"got {when!r}"
         )
-    if not needs_grad:
-        return (when != "never",) * 2
-    return when in ("forward", "always"), when == "always"
+    if when == "always" or (when != "never" and not needs_grad):
+        return "eager", False
+    return "fused", when == "forward"
 
 
 def _run(
@@ -248,9 +249,8 @@ def _run(
         or (bias is not None and bias.requires_grad)
     )
     torch_forward = False
-    if tier == "fused" and torch.compiler.is_compiling():
-        torch_forward, torch_backward = torch_compose(needs_grad)
-        tier = "eager" if torch_backward else tier  # torch ops, for Inductor to fuse
+    if tier == "fused" and torch.compiler.is_compiling():  # torch ops, for Inductor to fuse
+        tier, torch_forward = compiled_tier(needs_grad)
     if not needs_grad:
         save = ops.SAVE_NONE
     elif recompute_inner:
@@ -259,7 +259,7 @@ def _run(
         save = ops.SAVE_RECOVER  # see ops: when recovering inner from y is sound
     else:
         save = ops.SAVE_INNER
-    opts = ops.LinearOptions.of(scaling, tier, save, torch_forward and tier == "fused")
+    opts = ops.LinearOptions.of(scaling, tier, save, torch_forward)
     w = weight.detach() if weight.requires_grad else weight  # frozen: no gradient either way
     a, b = adapters or (detached_cast(lora_A, x.dtype), detached_cast(lora_B, x.dtype))
     if save == ops.SAVE_NONE:  # no autograd bookkeeping at all
