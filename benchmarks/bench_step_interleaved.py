@@ -23,8 +23,8 @@ own value, which its steps keep):
   - ``ours_static_launch``: Inductor launches our Triton kernels with its static launcher
     (``torch.compile(options={"static_launch_user_defined_triton_kernels": True})``), as
     it does its own kernels; compiled modes only;
-  - ``ours_torch_compose``, ``ours_kernel_compose``, ``ours_torch_forward`` and
-    ``ours_norm_buffer_torch_compose`` (below).
+  - ``ours_torch_compose``, ``ours_kernel_compose``, ``ours_torch_forward``,
+    ``ours_inference_compose`` and ``ours_norm_buffer_torch_forward`` (below).
 
 ``--workload infer`` times a no-grad forward in eval mode instead of the training step (the
 inference rows of issue 10: compiled inference ≤ 1.05× compiled PEFT LoRA), in the same
@@ -63,11 +63,12 @@ Variants (each on a fresh copy of the 8-layer base, ``lora_alpha = 2r``, AdamW f
     slices of d_in where its row blocks leave SMs idle (``NORM_PASS_MAX_SLICES = 8``);
   - ``ours_torch_compose``: compiled training graphs too run the products and the
     composition as torch ops that Inductor fuses with its neighbors
-    (``COMPILED_TORCH_COMPOSE = "always"``; the default, "inference", does so in graphs
-    that need no gradient); ``ours_kernel_compose``: no compiled graph does ("never");
-    ``ours_torch_forward``: training graphs' forwards do, before our backward kernels
-    ("forward");
-    ``ours_norm_buffer_torch_compose``: "always" with ``ours_norm_buffer``'s settings
+    (``COMPILED_TORCH_COMPOSE = "always"``; the default, "auto", does so in graphs that
+    need no gradient and, from rank ``COMPILED_TORCH_FORWARD_MIN_RANK``, in training
+    graphs' forwards); ``ours_kernel_compose``: no compiled graph does ("never");
+    ``ours_torch_forward``: training graphs' forwards do at every rank, before our backward
+    kernels ("forward"); ``ours_inference_compose``: at no rank ("inference");
+    ``ours_norm_buffer_torch_forward``: "forward" with ``ours_norm_buffer``'s settings
     (compiled modes only);
   - ``ours_recompute``: ``recompute_modules`` for q, k and o (``bench_model_torch.RECOMPUTE``);
   - ``ours_stacked``: ``stack_modules=".*"`` (``bench_model_torch.STACK``; the backward's one
@@ -114,7 +115,8 @@ VARIANTS = {
     "ours_torch_compose": ("ours", {"COMPILED_TORCH_COMPOSE": "always"}),
     "ours_kernel_compose": ("ours", {"COMPILED_TORCH_COMPOSE": "never"}),
     "ours_torch_forward": ("ours", {"COMPILED_TORCH_COMPOSE": "forward"}),
-    "ours_norm_buffer_torch_compose": ("ours", {"COMPILED_TORCH_COMPOSE": "always"}),
+    "ours_inference_compose": ("ours", {"COMPILED_TORCH_COMPOSE": "inference"}),
+    "ours_norm_buffer_torch_forward": ("ours", {"COMPILED_TORCH_COMPOSE": "forward"}),
     "ours_recompute": ("ours_recompute", {}),  # recompute_modules (bench_model_torch.RECOMPUTE)
     "ours_stacked": ("ours_stacked", {}),  # stack_modules (bench_model_torch.STACK)
     "ours_stacked_fwd": ("ours_stacked", {"STACK_FORWARD": True}),
@@ -126,7 +128,7 @@ VARIANTS = {
 BUILD_OVERRIDES = {
     "ours_streams": {"NORM_GROUP_STREAMS": 4},
     "ours_norm_buffer": {"NORM_GROUP_STREAMS": 4, "COMPILED_TRAIN_NORM": "buffer"},
-    "ours_norm_buffer_torch_compose": {"NORM_GROUP_STREAMS": 4, "COMPILED_TRAIN_NORM": "buffer"},
+    "ours_norm_buffer_torch_forward": {"NORM_GROUP_STREAMS": 4, "COMPILED_TRAIN_NORM": "buffer"},
 }
 #: Inductor options of the compiled variants (``torch.compile(..., options=...)``).
 INDUCTOR_OPTIONS = {"ours_static_launch": {"static_launch_user_defined_triton_kernels": True}}
@@ -135,12 +137,13 @@ EAGER_ONLY = {"ours_stacked", "ours_stacked_fwd", "ours_recompute_stacked"}
 #: Variants whose setting only compiled graphs read (when traced, under the variant's values:
 #: Dynamo guards on them), so compiled modes run them despite their overrides.
 COMPILED_ONLY = {"ours_torch_compose", "ours_kernel_compose", "ours_torch_forward",
-                 "ours_norm_buffer_torch_compose"}  # fmt: skip
+                 "ours_inference_compose", "ours_norm_buffer_torch_forward"}  # fmt: skip
 #: The variants the summary compares with PEFT LoRA (the others are diagnostics of ours).
 SUMMARIZED = ("ours", "ours_rev", "ours_recompute", "ours_stacked", "ours_stacked_fwd",
               "ours_recompute_stacked", "ours_streams", "ours_norm_buffer",
               "ours_norm_slices", "ours_torch_compose", "ours_kernel_compose",
-              "ours_torch_forward", "ours_norm_buffer_torch_compose")  # fmt: skip
+              "ours_torch_forward", "ours_inference_compose",
+              "ours_norm_buffer_torch_forward")  # fmt: skip
 MODES = ("eager", "compile", "reduce-overhead")
 WORKLOADS = ("train", "infer")
 SWITCHES = sorted({key for _, overrides in VARIANTS.values() for key in overrides})

@@ -76,9 +76,14 @@ COMPILED_TRAIN_NORM = "graph"
 #: the composition with the pointwise ops around the layer (SiLU·up, RoPE, residual adds) as
 #: it does for a LoRA layer, instead of calling our Triton compose kernel: "inference"
 #: (graphs that need no gradient), "forward" (training graphs' forwards too, before our
-#: backward kernels), "always" (the eager tier's backward too) or "never". The norm keeps
-#: its tier. Read when a graph is traced.
-COMPILED_TORCH_COMPOSE = "inference"
+#: backward kernels), "auto" ("inference", and "forward" for layers of rank
+#: ≥ ``COMPILED_TORCH_FORWARD_MIN_RANK``), "always" (the eager tier's backward too) or
+#: "never". The norm keeps its tier. Read when a graph is traced.
+COMPILED_TORCH_COMPOSE = "auto"
+#: The rank from which "auto" gives training graphs the torch forward. On the compiled
+#: model step (one H100, runs 185-191) it saved GPU time at r = 384, cost it at r = 16 and
+#: tied at r = 128; ranks between 128 and 384 are unmeasured.
+COMPILED_TORCH_FORWARD_MIN_RANK = 256
 
 #: Compiled training graphs read ‖W‖² from the module's ``dora_base_sq`` buffer (kept by
 #: ``dora_torch.cache``, refreshed eagerly) instead of recomputing it from W in every step,

@@ -208,13 +208,14 @@ def _dora_linear(
     return y, tier
 
 
-COMPILED_TORCH_COMPOSES = ("inference", "forward", "always", "never")
+COMPILED_TORCH_COMPOSES = ("auto", "inference", "forward", "always", "never")
 
 
-def compiled_tier(needs_grad: bool) -> tuple[str, bool]:
-    """(tier, torch_forward) of a compiled call of the fused tier that needs a gradient or
-    not (``config.COMPILED_TORCH_COMPOSE``): "eager" runs forward and backward as torch ops;
-    "fused" with torch_forward its forward only, before the fused backward."""
+def compiled_tier(needs_grad: bool, rank: int) -> tuple[str, bool]:
+    """(tier, torch_forward) of a compiled call of the fused tier, of adapter rank ``rank``,
+    that needs a gradient or not (``config.COMPILED_TORCH_COMPOSE``): "eager" runs forward
+    and backward as torch ops; "fused" with torch_forward its forward only, before the fused
+    backward."""
     when = config.COMPILED_TORCH_COMPOSE
     if when not in COMPILED_TORCH_COMPOSES:
         raise ValueError(
@@ -223,6 +224,14 @@ def compiled_tier(needs_grad: bool) -> tuple[str, bool]:
         )
     if when == "always" or (when != "never" and not needs_grad):
         return "eager", False
+    if when == "auto":
+        min_rank = config.COMPILED_TORCH_FORWARD_MIN_RANK
+        if type(min_rank) is not int or min_rank < 1:
+            raise ValueError(
+                "dora_torch.config.COMPILED_TORCH_FORWARD_MIN_RANK must be an int ≥ 1; "
+                f"got {min_rank!r}"
+            )
+        return "fused", rank >= min_rank
     return "fused", when == "forward"
 
 
@@ -250,7 +259,7 @@ def _run(
     )
     torch_forward = False
     if tier == "fused" and torch.compiler.is_compiling():  # torch ops, for Inductor to fuse
-        tier, torch_forward = compiled_tier(needs_grad)
+        tier, torch_forward = compiled_tier(needs_grad, lora_A.shape[0])
     if not needs_grad:
         save = ops.SAVE_NONE
     elif recompute_inner:
