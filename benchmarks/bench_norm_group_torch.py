@@ -24,7 +24,7 @@ from benchmarks.work_floor import LLAMA_8B_PROJECTIONS
 #: A probe with its own command line: ``make gpu`` (benchmarks/run.py) skips it.
 IN_MAKE_GPU = False
 
-FIELDS = ["date", "commit", "gpu", "rank", "layers", "streams", "max_slices", "replay_median_ms",
+FIELDS = ["date", "commit", "gpu", "rank", "layers", "streams", "replay_median_ms",
           "replay_min_ms", "vs_one_stream", "bit_equal"]  # fmt: skip
 
 
@@ -63,19 +63,16 @@ def replay_times(group, iters: int, warmup: int = 5) -> list[float]:
     return out
 
 
-def measure(
-    rank: int, layers: int, streams: list[int], iters: int, max_slices: int = 1
-) -> list[dict]:
+def measure(rank: int, layers: int, streams: list[int], iters: int) -> list[dict]:
     import torch
 
     from dora_torch import config
     from dora_torch.norm_group import group_norms
 
     modules = build_members(rank, layers)
-    before = config.NORM_GROUP_STREAMS, config.NORM_PASS_MAX_SLICES
+    before = config.NORM_GROUP_STREAMS
     rows, first = [], None
     try:
-        config.NORM_PASS_MAX_SLICES = max_slices
         for k in streams:
             config.NORM_GROUP_STREAMS = k
             group = group_norms(modules)
@@ -88,7 +85,7 @@ def measure(
             if first is None:
                 first = (statistics.median(times), norms)
             rows.append({
-                "rank": rank, "layers": layers, "streams": k, "max_slices": max_slices,
+                "rank": rank, "layers": layers, "streams": k,
                 "replay_median_ms": round(statistics.median(times), 4),
                 "replay_min_ms": round(min(times), 4),
                 "vs_one_stream": round(statistics.median(times) / first[0], 4),
@@ -100,7 +97,7 @@ def measure(
                   f"{rows[-1]['bit_equal']}", flush=True)  # fmt: skip
             del group
     finally:
-        config.NORM_GROUP_STREAMS, config.NORM_PASS_MAX_SLICES = before
+        config.NORM_GROUP_STREAMS = before
     return rows
 
 
@@ -110,20 +107,13 @@ def main(argv=None) -> int:
     ap.add_argument("--streams", type=positive_int, nargs="+", default=[1, 2, 4, 8])
     ap.add_argument("--layers", type=positive_int, default=8)
     ap.add_argument("--iters", type=positive_int, default=30)
-    ap.add_argument(
-        "--max-slices",
-        type=positive_int,
-        default=1,
-        help="config.NORM_PASS_MAX_SLICES for the one-pass norm (r ≤ 32)",
-    )
     ap.add_argument("--out", default=os.environ.get("OUT", "out") + "/bench")
     args = ap.parse_args(argv)
     from benchmarks import bench_model_torch as bm
 
     meta, rows = bm._meta(), []
     for rank in args.ranks:
-        got = measure(rank, args.layers, args.streams, args.iters, args.max_slices)
-        rows += [{**meta, **row} for row in got]
+        rows += [{**meta, **row} for row in measure(rank, args.layers, args.streams, args.iters)]
         bm.free_cuda()
     write_csv(pathlib.Path(args.out) / "norm_group_torch.csv", rows, FIELDS)
     return 0

@@ -59,8 +59,6 @@ Variants (each on a fresh copy of the 8-layer base, ``lora_alpha = 2r``, AdamW f
     "buffer"``); in eager mode the same refresh runs in the step hook instead of at the first
     forward. Both settings are read when the model is accelerated (``BUILD_OVERRIDES``), so
     these two also run in compiled modes;
-  - ``ours_norm_slices``: the one-pass norm (r ≤ ``NORM_PASS_MAX_RANK``) over up to 8
-    slices of d_in where its row blocks leave SMs idle (``NORM_PASS_MAX_SLICES = 8``);
   - ``ours_torch_compose``: compiled training graphs too run the products and the
     composition as torch ops that Inductor fuses with its neighbors
     (``COMPILED_TORCH_COMPOSE = "always"``; the default, "auto", does so in graphs that
@@ -111,7 +109,6 @@ VARIANTS = {
     "ours_static_launch": ("ours", {}),
     "ours_streams": ("ours", {}),
     "ours_norm_buffer": ("ours", {}),
-    "ours_norm_slices": ("ours", {"NORM_PASS_MAX_SLICES": 8}),
     "ours_torch_compose": ("ours", {"COMPILED_TORCH_COMPOSE": "always"}),
     "ours_kernel_compose": ("ours", {"COMPILED_TORCH_COMPOSE": "never"}),
     "ours_torch_forward": ("ours", {"COMPILED_TORCH_COMPOSE": "forward"}),
@@ -141,9 +138,8 @@ COMPILED_ONLY = {"ours_torch_compose", "ours_kernel_compose", "ours_torch_forwar
 #: The variants the summary compares with PEFT LoRA (the others are diagnostics of ours).
 SUMMARIZED = ("ours", "ours_rev", "ours_recompute", "ours_stacked", "ours_stacked_fwd",
               "ours_recompute_stacked", "ours_streams", "ours_norm_buffer",
-              "ours_norm_slices", "ours_torch_compose", "ours_kernel_compose",
-              "ours_torch_forward", "ours_inference_compose",
-              "ours_norm_buffer_torch_forward")  # fmt: skip
+              "ours_torch_compose", "ours_kernel_compose", "ours_torch_forward",
+              "ours_inference_compose", "ours_norm_buffer_torch_forward")  # fmt: skip
 MODES = ("eager", "compile", "reduce-overhead")
 WORKLOADS = ("train", "infer")
 SWITCHES = sorted({key for _, overrides in VARIANTS.values() for key in overrides})

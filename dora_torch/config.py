@@ -256,13 +256,6 @@ SPLIT_BF16_BLOCK = 1024
 #: session 8).
 NORM_PASS_MAX_RANK = 32
 NORM_PASS_BLOCKS = (64, 128, 4, 4)
-#: The one-pass norm's programs walk slices of d_in when its row blocks (d_out / 64) leave
-#: SMs idle: up to this many slices, each at least NORM_PASS_MIN_SLICE columns, their shares
-#: of n² added by the last program of each row block (kernels/norm_pass.py). At r = 16 the
-#: unsplit pass read W at 0.42 TB/s for k and v (16 programs) and 1.7 TB/s for q and o (64) on
-#: an H100 (run 180). 1 = no slices: the default until the split is measured on a GPU.
-NORM_PASS_MAX_SLICES = 1
-NORM_PASS_MIN_SLICE = 512
 NORM_GEMM_MIN_RANK = 256
 NORM_ROWS_BLOCK_M = 16
 NORM_ROWS_BLOCK_R = 128

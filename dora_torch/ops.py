@@ -11,8 +11,8 @@ the fused tier then forms x Fᵀ = [base | h] and dx = [dy_g | s·t] F, one GEMM
 x_d = dropout(x) or None (PEFT's dropout form, docs/design.md §1). ``opts`` is a frozen
 ``LinearOptions``: the scaling, the tier ("fused": Triton compose / backward kernels around
 cuBLAS GEMMs; "eager": the same algorithm in torch ops), what is saved for backward, and
-whether a fused call's forward runs as the eager tier's torch ops (compiled graphs,
-``config.COMPILED_TORCH_COMPOSE = "forward"``).
+whether a fused call's forward runs as the eager tier's torch ops (compiled training
+graphs: ``config.COMPILED_TORCH_COMPOSE`` "forward", or "auto" at high ranks).
 
 Dynamo traces this Function (forward and backward), and on CUDA it captures the Triton
 launches inside (user-defined Triton kernels), so ``torch.compile(fullgraph=True)`` sees one

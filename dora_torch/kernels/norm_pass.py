@@ -13,12 +13,6 @@ replaces four (‖W‖², the U and G GEMMs, the assembly). Precision rule (§5)
 arrives rounded to W's dtype, U and G are fp32 accumulations of its products, B enters at
 fp32. Where the norm is recomputed with ‖W‖² every call (compiled training graphs), W is
 read once instead of twice.
-
-A layer whose row blocks leave SMs idle (k and v of Llama-8B: 16 blocks of 64 rows) may also
-split d_in into slices (``config.NORM_PASS_MAX_SLICES``, ``d_slice``): n² is linear in U, G
-and the squares of W, so each (row block, slice) program stores its slice's share of n² (one
-fp32 per row) and the last program of the row block to take a ticket adds the shares in slice
-order and writes n (kernels/workspace.py): deterministic, with no U or G in memory.
 """
 
 from __future__ import annotations
@@ -30,8 +24,7 @@ import triton.language as tl
 from .. import config
 from .common import cdiv, check_launchable, dot_fp32, dot_precision, next_pow2, unit_stride
 from .launch import Launcher
-from .norm import finish_norm_rows, resolve_method
-from .workspace import ticket_counters
+from .norm import resolve_method
 
 
 @triton.jit
@@ -40,13 +33,10 @@ def _norm_pass_kernel(
     a_ptr,
     lb_ptr,
     base_sq_ptr,
-    part_ptr,
-    tickets_ptr,
     out_ptr,
     N,
     D,
     R,
-    SLICE,
     stride_wn,
     stride_wd,
     stride_ar,
@@ -61,16 +51,12 @@ def _norm_pass_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_R: tl.constexpr,
-    SPLIT_D: tl.constexpr,
 ):
-    """Program (i, k): row block i over columns [k·SLICE, (k+1)·SLICE) of d_in (SLICE ≥ D and
-    one column of programs unless ``SPLIT_D``). Each term of n² is linear in U, G and the
-    squares of W, so a slice's programs form its share, 2s·Σ B⊙U_k + s²·Σ (B G_k)⊙B (+ its
-    Σ W² when ‖W‖² is not given), store it in part [slices, N] and take a ticket; the last of
-    a row block adds the shares up in slice order (kernels/workspace.py) and writes n."""
+    """Program i: row block i over all of d_in, then n for its rows (see the module
+    docstring)."""
     # Scalars arrive as fp64 when Inductor launches the kernel: keep the math in fp32.
     s = tl.cast(s, tl.float32)
-    pid_m, pid_k = tl.program_id(0), tl.program_id(1)
+    pid_m = tl.program_id(0)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rs = tl.arange(0, BLOCK_R)
     mask_m = rows < N
@@ -78,11 +64,9 @@ def _norm_pass_kernel(
     U = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
     G = tl.zeros((BLOCK_R, BLOCK_R), dtype=tl.float32)
     sq = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
-    d_lo = pid_k * SLICE
-    d_hi = tl.minimum(d_lo + SLICE, D)
-    for d0 in range(d_lo, d_hi, BLOCK_D):
+    for d0 in range(0, D, BLOCK_D):
         ds = d0 + tl.arange(0, BLOCK_D)
-        mask_d = ds < d_hi
+        mask_d = ds < D
         w = tl.load(
             w_ptr + rows[:, None] * stride_wn + ds[None, :] * stride_wd,
             mask=mask_m[:, None] & mask_d[None, :],
@@ -113,42 +97,11 @@ def _norm_pass_kernel(
     ).to(tl.float32)
     cross = tl.sum(b * U, axis=1)
     gram = tl.sum(tl.dot(b, G, input_precision=BG_PRECISION) * b, axis=1)
-    if SPLIT_D:
-        share = 2.0 * s * cross + s * s * gram
-        if not HAS_BASE_SQ:
-            share += base
-        finish_norm_rows(
-            share, part_ptr, tickets_ptr, base_sq_ptr, out_ptr, rows, mask_m, pid_m, pid_k, N,
-            HAS_BASE_SQ,
-        )  # fmt: skip
-    else:
-        n_sq = base + 2.0 * s * cross + s * s * gram
-        tl.store(out_ptr + rows, tl.sqrt(tl.maximum(n_sq, 0.0)), mask=mask_m)
+    n_sq = base + 2.0 * s * cross + s * s * gram
+    tl.store(out_ptr + rows, tl.sqrt(tl.maximum(n_sq, 0.0)), mask=mask_m)
 
 
 _launch_norm_pass = Launcher(_norm_pass_kernel)
-
-
-def sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors of ``device``; 132, an H100's, off CUDA (the interpreter), so
-    that CPU tests split as an H100 would."""
-    if device.type != "cuda":
-        return 132
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def d_slice(row_blocks: int, d_in: int, block_d: int, device: torch.device) -> int:
-    """Columns of d_in per program of the one-pass norm: all of them (one program per row
-    block) unless ``config.NORM_PASS_MAX_SLICES`` > 1 and the row blocks leave SMs idle; then
-    up to that many slices, as many as fill the SMs, each a multiple of ``block_d`` and at
-    least ``config.NORM_PASS_MIN_SLICE`` wide."""
-    if config.NORM_PASS_MAX_SLICES <= 1:  # the default: no device query per call
-        return max(d_in, 1)
-    want = min(config.NORM_PASS_MAX_SLICES, cdiv(sm_count(device), row_blocks))
-    want = min(want, max(1, d_in // max(config.NORM_PASS_MIN_SLICE, block_d)))
-    if want <= 1:
-        return max(d_in, 1)
-    return cdiv(cdiv(d_in, want), block_d) * block_d
 
 
 def norm_pass_applies(weight: torch.Tensor, r: int) -> bool:
@@ -186,27 +139,16 @@ def norm_pass(
     bm, bd, warps, stages = config.NORM_PASS_BLOCKS
     bm, bd = config.interp_small(bm), config.interp_small(bd)
     br = max(16, next_pow2(R))
-    row_blocks = cdiv(N, bm)
-    width = d_slice(row_blocks, D, bd, weight.device)
-    slices = max(1, cdiv(D, width))  # d_in = 0: one program per row block, n² = ‖W‖² = 0
-    if slices > 1:
-        part = torch.empty((slices, N), dtype=torch.float32, device=weight.device)
-        tickets = ticket_counters(weight.device, row_blocks)
-    else:  # placeholders the kernel never reads
-        part = tickets = out
     _launch_norm_pass(
-        (row_blocks, slices),
+        (cdiv(N, bm),),  # one program per row block (d_in = 0: an empty loop, n = 0)
         weight,
         a,
         lora_B,
         out if base_sq is None else base_sq,  # a valid pointer when unused
-        part,
-        tickets,
         out,
         N,
         D,
         R,
-        width,
         *weight.stride(),
         *a.stride(),
         *lora_B.stride(),
@@ -218,7 +160,6 @@ def norm_pass(
         BLOCK_M=bm,
         BLOCK_D=bd,
         BLOCK_R=br,
-        SPLIT_D=slices > 1,
         num_warps=warps,
         num_stages=stages,
     )

@@ -34,7 +34,8 @@ def test_compiled_modes_run_only_variants_without_config_overrides_but_trace_onl
     got = variants_for(mode)
     assert got == ["peft_lora", "ours", "ours_static_launch", "ours_streams", "ours_norm_buffer",
                    "ours_torch_compose", "ours_kernel_compose", "ours_torch_forward",
-                   "ours_inference_compose", "ours_norm_buffer_torch_forward", "ours_recompute", "peft_dora"]  # fmt: skip
+                   "ours_inference_compose", "ours_norm_buffer_torch_forward", "ours_recompute",
+                   "peft_dora"]  # fmt: skip
     assert variants_for(mode, {"peft_lora", "ours", "ours_layer_norms"}) == ["peft_lora", "ours"]
 
 

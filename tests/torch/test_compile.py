@@ -247,22 +247,67 @@ def _fused_layer():
     return layer
 
 
-@pytest.mark.parametrize("when", ["inference", "forward", "always"])
+@pytest.mark.parametrize("when", ["auto", "inference", "forward", "always"])
 def test_compiled_inference_composes_with_torch_ops(when):
     """``config.COMPILED_TORCH_COMPOSE`` (any value but "never"): a fused-tier
     layer's compiled eval forward reads the norm buffer and runs the products and the
     composition as torch ops (no Triton kernel in the graph: one could not be traced here),
-    and gives the uncached fused output."""
-    from dora_torch import config
+    and gives the uncached fused output. The trace asks ``compiled_tier`` with the layer's
+    rank."""
+    from dora_torch import config, functional
 
+    asked = []
+
+    def recorded(needs_grad, rank):
+        asked.append((needs_grad, rank))
+        return compiled_tier(needs_grad, rank)
+
+    compiled_tier = functional.compiled_tier
     torch._dynamo.reset()
     x = torch.randn(5, 24)
     with pytest.MonkeyPatch.context() as patch, torch.no_grad():
         patch.setattr(config, "COMPILED_TORCH_COMPOSE", when)
+        patch.setattr(functional, "compiled_tier", recorded)
         layer = _fused_layer().eval()
         y, code = _compiled_train_graphs(layer, x)
     assert "triton" not in code and "sqrt" not in code  # the norm: read from its buffer
+    assert asked == [(False, layer.r)]
     torch.testing.assert_close(y, uncached_output(layer, x), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("when", "needs_grad", "rank", "want"),
+    [
+        ("auto", False, 512, ("eager", False)),
+        ("auto", True, 255, ("fused", False)),
+        ("auto", True, 256, ("fused", True)),
+        ("inference", True, 512, ("fused", False)),
+        ("forward", True, 4, ("fused", True)),
+        ("forward", False, 4, ("eager", False)),
+        ("always", True, 4, ("eager", False)),
+        ("never", False, 4, ("fused", False)),
+    ],
+)
+def test_compiled_tier_by_setting_gradient_and_rank(monkeypatch, when, needs_grad, rank, want):
+    """``functional.compiled_tier``: "auto" gives training graphs the torch forward from
+    ``COMPILED_TORCH_FORWARD_MIN_RANK`` (256) on; the other values ignore the rank."""
+    from dora_torch import config, functional
+
+    assert config.COMPILED_TORCH_COMPOSE == "auto" and config.COMPILED_TORCH_FORWARD_MIN_RANK == 256
+    monkeypatch.setattr(config, "COMPILED_TORCH_COMPOSE", when)
+    assert functional.compiled_tier(needs_grad, rank) == want
+
+
+@pytest.mark.parametrize("bad", [0, -3, 2.0, "256", True, None])
+def test_a_bad_torch_forward_min_rank_is_refused_by_name(monkeypatch, bad):
+    from dora_torch import config, functional
+
+    monkeypatch.setattr(config, "COMPILED_TORCH_FORWARD_MIN_RANK", bad)
+    with pytest.raises(ValueError, match="COMPILED_TORCH_FORWARD_MIN_RANK must be an int"):
+        functional.compiled_tier(True, 16)
+    assert functional.compiled_tier(False, 16) == ("eager", False)  # inference never reads it
+    monkeypatch.setattr(config, "COMPILED_TORCH_FORWARD_MIN_RANK", 8)
+    assert functional.compiled_tier(True, 16) == ("fused", True)
 
 
 def test_compiled_training_composes_with_torch_ops_when_always(monkeypatch):

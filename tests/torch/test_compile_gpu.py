@@ -202,16 +202,16 @@ def test_compiled_training_reading_the_norm_buffer_matches_eager(monkeypatch, mo
     assert group.streams == 2 and group.replays >= 3
 
 
-@pytest.mark.parametrize("when", ["inference", "forward", "always"])
+@pytest.mark.parametrize("when", ["auto", "inference", "forward", "always"])
 @pytest.mark.parametrize("mode", [None, "reduce-overhead"])
 @pytest.mark.parametrize("r", [16, 256])
 def test_compiled_torch_compose_follows_eager_in_training_and_inference(monkeypatch, when, mode, r):
-    """``config.COMPILED_TORCH_COMPOSE``: compiled graphs that need no gradient ("inference",
-    the default), the forwards of all ("forward", before our backward kernels) or all of them
-    ("always") run the products and the composition as torch ops (tracing our compose or
-    backward kernel there raises). Four fused-AdamW steps follow an eager twin of the fused
-    tier, and the compiled eval forward gives the fresh fused output. (That "inference"
-    training graphs keep our kernels: ``test_compile.py``.)"""
+    """``config.COMPILED_TORCH_COMPOSE``: compiled graphs that need no gradient ("inference"),
+    the forwards of all ("forward", before our backward kernels; "auto", the default, from
+    rank 256 on) or all of them ("always") run the products and the composition as torch ops
+    (tracing our compose or backward kernel there raises). Four fused-AdamW steps follow an
+    eager twin of the fused tier, and the compiled eval forward gives the fresh fused output.
+    (That "inference" training graphs keep our kernels: ``test_compile.py``.)"""
     from dora_torch import config, ops
 
     evaluating = {"now": False}  # read at trace time (autograd's forward runs with grad off)
@@ -225,7 +225,10 @@ def test_compiled_torch_compose_follows_eager_in_training_and_inference(monkeypa
         return call
 
     monkeypatch.setattr(config, "COMPILED_TORCH_COMPOSE", when)
-    monkeypatch.setattr(ops, "compose_forward", refuse(ops.compose_forward, when != "inference"))
+    torch_forward = when in ("forward", "always") or (
+        when == "auto" and r >= config.COMPILED_TORCH_FORWARD_MIN_RANK
+    )
+    monkeypatch.setattr(ops, "compose_forward", refuse(ops.compose_forward, torch_forward))
     monkeypatch.setattr(ops, "scale_reduce", refuse(ops.scale_reduce, when == "always"))
     torch._dynamo.reset()
     layer, twin = (_layer(torch.bfloat16, r=r) for _ in range(2))

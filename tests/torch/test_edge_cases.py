@@ -563,21 +563,18 @@ def _record_grids(monkeypatch, module, launcher: str) -> list:
 
 
 # 16 and 32: one r-block; 17: padded; d_in 45 and d_out 37: ragged last tiles (interpreter
-# blocks are 16 wide). slices 2: d_in in slices of 32 and 13 columns, the shares added by the
-# last program of each row block.
-@pytest.mark.parametrize("slices", [1, 2])
+# blocks are 16 wide).
 @pytest.mark.parametrize("r", [1, 4, 16, 17, 32])
 @pytest.mark.parametrize("cached", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_one_pass_norm_kernel(r, cached, dtype, slices, monkeypatch):
+def test_one_pass_norm_kernel(r, cached, dtype, monkeypatch):
     """kernels/norm_pass.py against float64 (A rounded to W's dtype, as the precision rule
     says), no worse than 2× the eager tier's error; ‖W‖² from the cache or from its own pass;
-    a zero row of W and B gives n = 0; over slices of d_in, the same bits on a second call."""
+    a zero row of W and B gives n = 0; one program per row block; the same bits on a second
+    call."""
     from dora_torch.kernels import norm_pass as kernel
     from dora_torch.norm import detached_norm, rounded_a
 
-    monkeypatch.setattr(config, "NORM_PASS_MAX_SLICES", slices)
-    monkeypatch.setattr(config, "NORM_PASS_MIN_SLICE", 16)
     grids = _record_grids(monkeypatch, kernel, "_launch_norm_pass")
 
     _, W, A, B, _, _, s = random_case_tensors(9, d_in=45, d_out=37, r=r)
@@ -589,8 +586,8 @@ def test_one_pass_norm_kernel(r, cached, dtype, slices, monkeypatch):
     a = rounded_a(A, W)
     base_sq = dora_torch.base_sq_norm(W) if cached else None
     got = kernel.norm_pass(W, a, B, base_sq, s)
-    assert grids == [(3, slices)]  # row blocks of 16 × slices of d_in
-    assert torch.equal(kernel.norm_pass(W, a, B, base_sq, s), got)  # tickets left at zero
+    assert grids == [(3,)]  # row blocks of 16, each over all of d_in
+    assert torch.equal(kernel.norm_pass(W, a, B, base_sq, s), got)
     ref = S.dense_norm(W.double().numpy(), a.double().numpy(), B.double().numpy(), s)
     eager = detached_norm(W, A, B, dora_torch.base_sq_norm(W), s, False)
     assert got.dtype == torch.float32 and got.shape == (37,)
@@ -602,13 +599,11 @@ def test_one_pass_norm_kernel(r, cached, dtype, slices, monkeypatch):
     torch.testing.assert_close(dora_torch.factored_norm(W, A, B, s, impl="fused"), got)
 
 
-@pytest.mark.parametrize("slices", [1, 2])
-def test_one_pass_norm_of_an_empty_d_in_is_the_cached_norm(slices, monkeypatch):
+def test_one_pass_norm_of_an_empty_d_in_is_the_cached_norm():
     """d_in = 0: W has no columns, so n = sqrt(‖W‖²) as given (0 when computed), never the
     uninitialized output of a grid with no programs."""
     from dora_torch.kernels import norm_pass as kernel
 
-    monkeypatch.setattr(config, "NORM_PASS_MAX_SLICES", slices)
     W, a, B = torch.zeros(37, 0), torch.zeros(4, 0), torch.randn(37, 4)
     assert torch.equal(kernel.norm_pass(W, a, B, None, 2.0), torch.zeros(37))
     base_sq = torch.full((37,), 4.0)
