@@ -140,7 +140,7 @@ def norm_pass(
     bm, bd = config.interp_small(bm), config.interp_small(bd)
     br = max(16, next_pow2(R))
     _launch_norm_pass(
-        (cdiv(N, bm),),  # one program per row block (d_in = 0: an empty loop, n = 0)
+        (cdiv(N, bm),),  # one program per row block (d_in = 0: an empty loop, n² = ‖W‖²)
         weight,
         a,
         lora_B,
