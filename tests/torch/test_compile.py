@@ -279,8 +279,8 @@ def test_compiled_inference_composes_with_torch_ops(when):
     ("when", "needs_grad", "rank", "want"),
     [
         ("auto", False, 512, ("eager", False)),
-        ("auto", True, 255, ("fused", False)),
-        ("auto", True, 256, ("fused", True)),
+        ("auto", True, 383, ("fused", False)),
+        ("auto", True, 384, ("fused", True)),
         ("inference", True, 512, ("fused", False)),
         ("forward", True, 4, ("fused", True)),
         ("forward", False, 4, ("eager", False)),
@@ -290,10 +290,10 @@ def test_compiled_inference_composes_with_torch_ops(when):
 )
 def test_compiled_tier_by_setting_gradient_and_rank(monkeypatch, when, needs_grad, rank, want):
     """``functional.compiled_tier``: "auto" gives training graphs the torch forward from
-    ``COMPILED_TORCH_FORWARD_MIN_RANK`` (256) on; the other values ignore the rank."""
+    ``COMPILED_TORCH_FORWARD_MIN_RANK`` (384) on; the other values ignore the rank."""
     from dora_torch import config, functional
 
-    assert config.COMPILED_TORCH_COMPOSE == "auto" and config.COMPILED_TORCH_FORWARD_MIN_RANK == 256
+    assert config.COMPILED_TORCH_COMPOSE == "auto" and config.COMPILED_TORCH_FORWARD_MIN_RANK == 384
     monkeypatch.setattr(config, "COMPILED_TORCH_COMPOSE", when)
     assert functional.compiled_tier(needs_grad, rank) == want
 

@@ -204,11 +204,11 @@ def test_compiled_training_reading_the_norm_buffer_matches_eager(monkeypatch, mo
 
 @pytest.mark.parametrize("when", ["auto", "inference", "forward", "always"])
 @pytest.mark.parametrize("mode", [None, "reduce-overhead"])
-@pytest.mark.parametrize("r", [16, 256])
+@pytest.mark.parametrize("r", [16, 384])
 def test_compiled_torch_compose_follows_eager_in_training_and_inference(monkeypatch, when, mode, r):
     """``config.COMPILED_TORCH_COMPOSE``: compiled graphs that need no gradient ("inference"),
     the forwards of all ("forward", before our backward kernels; "auto", the default, from
-    rank 256 on) or all of them ("always") run the products and the composition as torch ops
+    rank 384 on) or all of them ("always") run the products and the composition as torch ops
     (tracing our compose or backward kernel there raises). Four fused-AdamW steps follow an
     eager twin of the fused tier, and the compiled eval forward gives the fresh fused output.
     (That "inference" training graphs keep our kernels: ``test_compile.py``.)"""
