@@ -122,10 +122,11 @@ VARIANTS = {
 }
 #: ``dora_torch.config`` values set while a variant's model is accelerated (read then, not
 #: per call: compiled variants may have them).
+_NORM_BUFFER = {"NORM_GROUP_STREAMS": 4, "COMPILED_TRAIN_NORM": "buffer"}
 BUILD_OVERRIDES = {
     "ours_streams": {"NORM_GROUP_STREAMS": 4},
-    "ours_norm_buffer": {"NORM_GROUP_STREAMS": 4, "COMPILED_TRAIN_NORM": "buffer"},
-    "ours_norm_buffer_torch_forward": {"NORM_GROUP_STREAMS": 4, "COMPILED_TRAIN_NORM": "buffer"},
+    "ours_norm_buffer": _NORM_BUFFER,
+    "ours_norm_buffer_torch_forward": _NORM_BUFFER,
 }
 #: Inductor options of the compiled variants (``torch.compile(..., options=...)``).
 INDUCTOR_OPTIONS = {"ours_static_launch": {"static_launch_user_defined_triton_kernels": True}}
@@ -133,13 +134,13 @@ INDUCTOR_OPTIONS = {"ours_static_launch": {"static_launch_user_defined_triton_ke
 EAGER_ONLY = {"ours_stacked", "ours_stacked_fwd", "ours_recompute_stacked"}
 #: Variants whose setting only compiled graphs read (when traced, under the variant's values:
 #: Dynamo guards on them), so compiled modes run them despite their overrides.
-COMPILED_ONLY = {"ours_torch_compose", "ours_kernel_compose", "ours_torch_forward",
-                 "ours_inference_compose", "ours_norm_buffer_torch_forward"}  # fmt: skip
+_COMPOSE_VARIANTS = ("ours_torch_compose", "ours_kernel_compose", "ours_torch_forward",
+                     "ours_inference_compose", "ours_norm_buffer_torch_forward")  # fmt: skip
+COMPILED_ONLY = set(_COMPOSE_VARIANTS)
 #: The variants the summary compares with PEFT LoRA (the others are diagnostics of ours).
 SUMMARIZED = ("ours", "ours_rev", "ours_recompute", "ours_stacked", "ours_stacked_fwd",
               "ours_recompute_stacked", "ours_streams", "ours_norm_buffer",
-              "ours_torch_compose", "ours_kernel_compose", "ours_torch_forward",
-              "ours_inference_compose", "ours_norm_buffer_torch_forward")  # fmt: skip
+              *_COMPOSE_VARIANTS)  # fmt: skip
 MODES = ("eager", "compile", "reduce-overhead")
 WORKLOADS = ("train", "infer")
 SWITCHES = sorted({key for _, overrides in VARIANTS.values() for key in overrides})
