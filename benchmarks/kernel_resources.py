@@ -192,15 +192,17 @@ def lora_gemm_compose_resources(cfg, *, has_bias: bool, dropout: bool, store_inn
     )
 
 
-def norm_pairs_resources(blocks, *, split: bool) -> Resources:
+def norm_pairs_resources(blocks, *, split: bool, symmetric: bool, split_b: bool) -> Resources:
     """The pairs norm assembly (``kernels/norm._norm_pairs_kernel``) at one blocks tuple of
-    ``config.NORM_PAIRS``'s form, its column blocks summed by a ticket finisher or not."""
+    ``config.NORM_PAIRS``'s form: its column blocks summed by a ticket finisher or not
+    (``split``), in its symmetric form or not, for a split B ([B_hi | B_lo]) or a bf16 one."""
     from dora_torch.kernels import norm
 
     bm, br, bk, warps, stages = blocks
+    flags = {"SPLIT_R": split, "SYMMETRIC": symmetric, "SPLIT_B": split_b, "DOT_FP32": False}
     return resources(
         norm._norm_pairs_kernel,
-        {"BLOCK_M": bm, "BLOCK_R": br, "BLOCK_K": bk, "SPLIT_R": split, "DOT_FP32": False},
+        {"BLOCK_M": bm, "BLOCK_R": br, "BLOCK_K": br if symmetric else bk, **flags},
         fp32_pointers=("base_sq_ptr", "u_ptr", "lb_ptr", "part_ptr", "out_ptr"),
         int32_pointers=("tickets_ptr",),
         floats=("s",),
@@ -213,7 +215,8 @@ def rows(all_candidates: bool) -> list[dict]:
     """One row per kernel, config and flag set: config.BWD's (or every candidate's) pass for
     every valid flag set (recover mode has no bias, so no dbias), the compose, the epilogue
     GEMM at the two tiles ``config.lora_gemm_config`` picks (or every candidate), and the
-    pairs norm assembly at ``config.NORM_PAIRS`` with and without its ticket finisher."""
+    pairs norm assembly at ``config.NORM_PAIRS`` (and ``NORM_PAIRS_SYMMETRIC``) with and
+    without its ticket finisher, for a bf16 and a split B."""
     from dora_torch import config
 
     out = []
@@ -243,10 +246,11 @@ def rows(all_candidates: bool) -> list[dict]:
             out.append({"kernel": "lora_gemm_compose", "candidate": i,
                         "num_warps": cfg.num_warps, **flags,
                         **asdict(got)})  # fmt: skip
-    for split in (False, True):
-        got = norm_pairs_resources(config.NORM_PAIRS, split=split)
+    sym = config.NORM_PAIRS_SYMMETRIC
+    for split, split_b in itertools.product([False, True], repeat=2):
+        got = norm_pairs_resources(config.NORM_PAIRS, split=split, symmetric=sym, split_b=split_b)
         out.append({"kernel": "norm_pairs", "num_warps": config.NORM_PAIRS[3], "split": split,
-                    **asdict(got)})  # fmt: skip
+                    "symmetric": sym, "split_b": split_b, **asdict(got)})  # fmt: skip
     return out
 
 

@@ -262,6 +262,9 @@ NORM_ROWS_BLOCK_R = 128
 NORM_ROWS_WARPS = 4
 #: (BLOCK_M, BLOCK_R, BLOCK_K, warps, stages) of the "pairs" assembly's kernel.
 NORM_PAIRS = (64, 64, 64, 4, 3)
+#: The pairs kernel forms only the blocks of B·G on and above G's diagonal (G = A·Aᵀ is
+#: symmetric; kernels/norm._norm_pairs_kernel's ``SYMMETRIC``): 21 of 36 K blocks at r = 384.
+NORM_PAIRS_SYMMETRIC = False
 
 
 def interp_small(block: int, small: int = 16) -> int:

@@ -148,6 +148,7 @@ def assemble_norm(
     method: str | None = None,
     bf16x3: bool = False,
     pairs_blocks: tuple | None = None,
+    pairs_symmetric: bool | None = None,
 ) -> torch.Tensor:
     """n [d_out] fp32 from base_sq [d_out] fp32, U [d_out, r] fp32, lora_B [d_out, r] (any
     float dtype), G [r, r] fp32. ``method``: "kernel", "gemm", "pairs" or "auto"
@@ -155,7 +156,9 @@ def assemble_norm(
     B·G from bf16 products when ``config.NORM_GEMM_BF16X3`` (see the module docstring);
     "pairs" always does, so it needs ``bf16x3`` (``config.NORM_ASSEMBLY = "pairs"`` leaves
     other layers to "auto"). ``pairs_blocks``: the pairs kernel's (BLOCK_M, BLOCK_R,
-    BLOCK_K, warps, stages) instead of ``config.NORM_PAIRS`` (benchmarks)."""
+    BLOCK_K, warps, stages) instead of ``config.NORM_PAIRS``; ``pairs_symmetric``: instead of
+    ``config.NORM_PAIRS_SYMMETRIC`` (benchmarks). The symmetric form needs G symmetric, as
+    A·Aᵀ is."""
     N, R = lora_B.shape
     method = resolve_method(method, R, bf16x3)
     check_launchable(U)
@@ -167,7 +170,8 @@ def assemble_norm(
         split = bf16x3 and config.NORM_GEMM_BF16X3
         return _assemble_by_gemm(base_sq, U, lora_B, G, scaling, out, split)
     if method == "pairs":
-        return _assemble_by_pairs(base_sq, U, lora_B, G, scaling, out, pairs_blocks)
+        sym = config.NORM_PAIRS_SYMMETRIC if pairs_symmetric is None else pairs_symmetric
+        return _assemble_by_pairs(base_sq, U, lora_B, G, scaling, out, pairs_blocks, sym)
     wide = R >= config.NORM_WIDE_RANK
     bm, br, warps = config.NORM_KERNEL_BLOCKS_WIDE if wide else config.NORM_KERNEL_BLOCKS
     bm = config.interp_small(bm)
@@ -266,6 +270,32 @@ def finish_norm_rows(
 
 
 @triton.jit
+def _pairs_block(bg, lhs_ptr, rhs_ptr, rows, mask_m, ks, mask_k, js, mask_j, R, stride_ln,
+                 stride_rk, DOT_FP32: tl.constexpr, LO: tl.constexpr = True):  # fmt: skip
+    """bg + lhs[rows, ks] · (rhs[ks, js] + rhs[ks, R + js]): one K block of
+    ``_norm_pairs_kernel``'s products, both halves accumulated in fp32 (``LO`` False: the
+    first half only, where the second is known to be zero)."""
+    lhs = tl.load(
+        lhs_ptr + rows[:, None] * stride_ln + ks[None, :],
+        mask=mask_m[:, None] & mask_k[None, :],
+        other=0.0,
+    )
+    at = rhs_ptr + ks[:, None] * stride_rk + js[None, :]
+    mask_kj = mask_k[:, None] & mask_j[None, :]
+    hi = tl.load(at, mask=mask_kj, other=0.0)
+    if DOT_FP32:  # the interpreter (common.dot_fp32): exact upcasts of bf16 values
+        lhs, hi = lhs.to(tl.float32), hi.to(tl.float32)
+    # "ieee" matters only to those fp32 upcasts; bf16 products are exact either way
+    bg = tl.dot(lhs, hi, bg, input_precision="ieee")
+    if LO:
+        lo = tl.load(at + R, mask=mask_kj, other=0.0)
+        if DOT_FP32:
+            lo = lo.to(tl.float32)
+        bg = tl.dot(lhs, lo, bg, input_precision="ieee")
+    return bg
+
+
+@triton.jit
 def _norm_pairs_kernel(
     base_sq_ptr,
     u_ptr,
@@ -288,6 +318,8 @@ def _norm_pairs_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_K: tl.constexpr,
     SPLIT_R: tl.constexpr,
+    SYMMETRIC: tl.constexpr,
+    SPLIT_B: tl.constexpr,
     DOT_FP32: tl.constexpr,
 ):
     """n_i = sqrt(max(base_sq_i + Σ_j B_ij (2s·U_ij + s²·(BG)_ij), 0)), program (i, j) taking
@@ -297,7 +329,14 @@ def _norm_pairs_kernel(
     accumulated in fp32 in one tile. U is fp32 with unit column stride; lb is B as the layer
     holds it (the reduction's own factor). ``SPLIT_R`` (more than one column block): each
     program stores its partial [rows] in part [col blocks, N] and takes a ticket; the last of
-    a row block adds the partials up in column order (kernels/workspace.py) and writes n."""
+    a row block adds the partials up in column order (kernels/workspace.py) and writes n.
+
+    ``SYMMETRIC`` (BLOCK_K = BLOCK_R; G symmetric, as A·Aᵀ is): Σ_jk B_ij G_kj B_ik is the
+    same sum with j and k swapped, so over column blocks J and K it is Σ_J T_JJ + 2·Σ_{J<K}
+    T_JK, T_JK = Σ_{j∈J, k∈K} B_ij G_kj B_ik. Program J forms its diagonal block at half
+    weight and the blocks K > J at full weight, and doubles its reduction: 21 of the 36 K
+    blocks at r = 384 with 64-wide blocks (the scaling by ½ and 2 is exact). ``SPLIT_B``
+    (lhs is [B_hi | B_lo]): each K block is two, lhs columns k (B_hi) and R + k (B_lo)."""
     # Scalars arrive as fp64 when Inductor launches the kernel: keep the math in fp32.
     s = tl.cast(s, tl.float32)
     pid_m, pid_j = tl.program_id(0), tl.program_id(1)
@@ -306,29 +345,33 @@ def _norm_pairs_kernel(
     js = pid_j * BLOCK_R + tl.arange(0, BLOCK_R)
     mask_j = js < R
     bg = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    for k0 in range(0, KL, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        mask_k = ks < KL
-        lhs = tl.load(
-            lhs_ptr + rows[:, None] * stride_ln + ks[None, :],
-            mask=mask_m[:, None] & mask_k[None, :],
-            other=0.0,
-        )
-        at = rhs_ptr + ks[:, None] * stride_rk + js[None, :]
-        mask_kj = mask_k[:, None] & mask_j[None, :]
-        hi = tl.load(at, mask=mask_kj, other=0.0)
-        lo = tl.load(at + R, mask=mask_kj, other=0.0)
-        if DOT_FP32:  # the interpreter (common.dot_fp32): exact upcasts of bf16 values
-            lhs, hi, lo = lhs.to(tl.float32), hi.to(tl.float32), lo.to(tl.float32)
-        # "ieee" matters only to those fp32 upcasts; bf16 products are exact either way
-        bg = tl.dot(lhs, hi, bg, input_precision="ieee")
-        bg = tl.dot(lhs, lo, bg, input_precision="ieee")
+    if SYMMETRIC:
+        bg = _pairs_block(bg, lhs_ptr, rhs_ptr, rows, mask_m, js, mask_j, js, mask_j, R,
+                          stride_ln, stride_rk, DOT_FP32)  # fmt: skip
+        if SPLIT_B:  # B_lo · G_hi (rhs rows R + k: [G_hi, 0])
+            bg = _pairs_block(bg, lhs_ptr, rhs_ptr, rows, mask_m, R + js, mask_j, js, mask_j,
+                              R, stride_ln, stride_rk, DOT_FP32, False)  # fmt: skip
+        bg = bg * 0.5
+        for kb in range(pid_j + 1, tl.cdiv(R, BLOCK_R)):
+            ks = kb * BLOCK_R + tl.arange(0, BLOCK_R)
+            bg = _pairs_block(bg, lhs_ptr, rhs_ptr, rows, mask_m, ks, ks < R, js, mask_j, R,
+                              stride_ln, stride_rk, DOT_FP32)  # fmt: skip
+            if SPLIT_B:
+                bg = _pairs_block(bg, lhs_ptr, rhs_ptr, rows, mask_m, R + ks, ks < R, js,
+                                  mask_j, R, stride_ln, stride_rk, DOT_FP32, False)  # fmt: skip
+        s2 = 2.0 * s * s
+    else:
+        for k0 in range(0, KL, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            bg = _pairs_block(bg, lhs_ptr, rhs_ptr, rows, mask_m, ks, ks < KL, js, mask_j, R,
+                              stride_ln, stride_rk, DOT_FP32)  # fmt: skip
+        s2 = s * s
     mask = mask_m[:, None] & mask_j[None, :]
     b = tl.load(
         lb_ptr + rows[:, None] * stride_bn + js[None, :] * stride_br, mask=mask, other=0.0
     ).to(tl.float32)
     u = tl.load(u_ptr + rows[:, None] * stride_un + js[None, :], mask=mask, other=0.0)
-    acc = tl.sum(b * (2.0 * s * u + s * s * bg), axis=1)
+    acc = tl.sum(b * (2.0 * s * u + s2 * bg), axis=1)
     if SPLIT_R:
         finish_norm_rows(
             acc, part_ptr, tickets_ptr, base_sq_ptr, out_ptr, rows, mask_m, pid_m, pid_j, N, True
@@ -440,11 +483,12 @@ def _pair_operands(lora_B: torch.Tensor, G: torch.Tensor) -> tuple[torch.Tensor,
     return split_bf16(lora_B), split_bf16(G, stacked=True)
 
 
-def _assemble_by_pairs(base_sq, U, lora_B, G, scaling, out, blocks=None):
+def _assemble_by_pairs(base_sq, U, lora_B, G, scaling, out, blocks=None, symmetric=False):
     """The ``"pairs"`` assembly: G (and a non-bf16 B) split into bf16 pairs, then one kernel
     over row blocks × column blocks of the sum (the column blocks give small layers enough
     programs). ``blocks``: (BLOCK_M, BLOCK_R, BLOCK_K, warps, stages), default
-    ``config.NORM_PAIRS``."""
+    ``config.NORM_PAIRS``; ``symmetric``: the kernel's ``SYMMETRIC`` form (its K blocks are
+    the column blocks, so BLOCK_K is not used)."""
     N, R = lora_B.shape
     U = U.contiguous()
     lhs, rhs = _pair_operands(lora_B, G)
@@ -453,7 +497,7 @@ def _assemble_by_pairs(base_sq, U, lora_B, G, scaling, out, blocks=None):
     bm, br, bk, warps, stages = config.NORM_PAIRS if blocks is None else blocks
     bm = config.interp_small(bm)
     br = max(16, min(config.interp_small(br), next_pow2(R)))
-    bk = max(16, min(config.interp_small(bk), next_pow2(lhs.shape[1])))
+    bk = br if symmetric else max(16, min(config.interp_small(bk), next_pow2(lhs.shape[1])))
     grid = (cdiv(N, bm), cdiv(R, br))
     split = grid[1] > 1
     if split:
@@ -484,6 +528,8 @@ def _assemble_by_pairs(base_sq, U, lora_B, G, scaling, out, blocks=None):
         BLOCK_R=br,
         BLOCK_K=bk,
         SPLIT_R=split,
+        SYMMETRIC=symmetric,
+        SPLIT_B=lhs.shape[1] != R,
         DOT_FP32=dot_fp32(lhs.dtype),
         num_warps=warps,
         num_stages=stages,

@@ -41,7 +41,7 @@ def test_every_flag_set_of_the_default_pass_and_the_compose_is_compiled(rows):
     assert len(passes) == len(flags) == 6 and (True, False, True) not in flags
     assert sum(r["kernel"] == "compose" for r in rows) == 2
     assert sum(r["kernel"] == "lora_gemm_compose" for r in rows) == 16
-    assert sum(r["kernel"] == "norm_pairs" for r in rows) == 2
+    assert sum(r["kernel"] == "norm_pairs" for r in rows) == 4
 
 
 def test_streaming_kernels_neither_spill_nor_reach_the_register_ceiling(rows):
@@ -75,9 +75,12 @@ def test_the_epilogue_gemm_never_spills_in_a_form_its_tile_rule_picks(rows, monk
 
 def test_the_pairs_norm_assembly_compiles_for_hopper_without_spills(rows):
     """The pairs kernel at ``config.NORM_PAIRS`` lowers for sm_90 (its bf16 dots, atomics and
-    barrier, which the interpreter does not compile) with and without the ticket finisher."""
+    barrier, which the interpreter does not compile) with and without the ticket finisher,
+    for a bf16 and a split B."""
     pairs = [r for r in rows if r["kernel"] == "norm_pairs"]
-    assert sorted(r["split"] for r in pairs) == [False, True]
+    assert sorted((r["split"], r["split_b"]) for r in pairs) == [
+        (False, False), (False, True), (True, False), (True, True)
+    ]  # fmt: skip
     for r in pairs:
         assert r["stack_bytes"] == 0, r
         assert r["registers"] < REGISTER_CEILING, r

@@ -8,6 +8,7 @@ Kernels written without device time are added here; a compile check is cheap, so
 
 from __future__ import annotations
 
+import itertools
 import os
 import pathlib
 import subprocess
@@ -73,14 +74,16 @@ def lower_norm_pass() -> list[str]:
 
 def lower_norm_pairs() -> list[str]:
     """The pairs assembly (kernels/norm.py), with and without its split over column blocks
-    (and its finisher), at the configured blocks."""
+    (and its finisher), in both forms (all of G, or its blocks on and above the diagonal),
+    at the configured blocks."""
     from dora_torch import config
     from dora_torch.kernels.norm import _norm_pairs_kernel
 
     bm, br, bk, warps, stages = config.NORM_PAIRS
     f32 = ("base_sq_ptr", "u_ptr", "part_ptr", "out_ptr")
     done = []
-    for split in (False, True):
+    for split, sym in itertools.product([False, True], repeat=2):
+        flags = dict(SPLIT_R=split, SYMMETRIC=sym, SPLIT_B=sym, DOT_FP32=False)
         lower(
             _norm_pairs_kernel,
             {
@@ -90,11 +93,11 @@ def lower_norm_pairs() -> list[str]:
                 "tickets_ptr": "i32",
                 **dict.fromkeys(f32, "fp32"),
             },
-            dict(BLOCK_M=bm, BLOCK_R=br, BLOCK_K=bk, SPLIT_R=split, DOT_FP32=False),
+            dict(BLOCK_M=bm, BLOCK_R=br, BLOCK_K=br if sym else bk, **flags),
             warps=warps,
             stages=stages,
         )
-        done.append(f"_norm_pairs_kernel split_r={split}")
+        done.append(f"_norm_pairs_kernel split_r={split} symmetric={sym}")
     return done
 
 
@@ -110,4 +113,4 @@ def test_kernels_lower_for_sm90():
     assert done.returncode == 0, done.stderr[-4000:]
     lines = done.stdout.split("\n")
     assert sum(line.startswith("_norm_pass") for line in lines) == 2, done.stdout
-    assert sum(line.startswith("_norm_pairs") for line in lines) == 2, done.stdout
+    assert sum(line.startswith("_norm_pairs") for line in lines) == 4, done.stdout
