@@ -97,7 +97,6 @@ NORM_PAIRS_CANDIDATES = {
     "sym_m128_w8": (128, 64, 64, 8, 3, True),
     "sym_r32": (64, 32, 32, 4, 3, True),
     "sym_r32_m128_w4": (128, 32, 32, 4, 3, True),
-    "sym_r128_m128_w8": (128, 128, 128, 8, 3, True),
 }
 TINY_NORM = ("gemm", "kernel", "pairs", "pairs_m32", "sym", "sym_r32")
 NORM_FORMS = ("gemm", "kernel", "pairs", *NORM_PAIRS_CANDIDATES)

@@ -9,7 +9,10 @@ own specialisation for the training case: 16-bit activations, 16-byte aligned po
 inner strides, sizes divisible by 16 (benchmarks/NOTES.md, session 14, found the backward pass
 at 255 registers with spills this way).
 
-    python3 -m benchmarks.kernel_resources [--all] [--json]
+The shared memory a program needs (its pipeline's stages) comes from Triton's metadata: above
+``SHARED_LIMIT`` a kernel cannot launch.
+
+    python3 -m benchmarks.kernel_resources [--all | --pairs-candidates] [--json]
 """
 
 from __future__ import annotations
@@ -31,6 +34,11 @@ SM90 = ("cuda", 90, 32)
 class Resources:
     registers: int
     stack_bytes: int  # per thread; > 0 means spills
+    shared_bytes: int  # per program (the pipeline's stages); over SHARED_LIMIT cannot launch
+
+
+#: Shared memory one program may use on sm_90 (Triton's launch check names this limit).
+SHARED_LIMIT = 232448
 
 
 def tools_present() -> bool:
@@ -102,7 +110,7 @@ def resources(
     found = re.search(r"REG:(\d+) STACK:(\d+)", out)
     if found is None:
         raise RuntimeError(f"no resource line in cuobjdump's output:\n{out}")
-    return Resources(int(found.group(1)), int(found.group(2)))
+    return Resources(int(found.group(1)), int(found.group(2)), int(compiled.metadata.shared))
 
 
 def scale_reduce_resources(cfg, *, recover: bool, dropout: bool, has_dbias: bool) -> Resources:
@@ -254,14 +262,29 @@ def rows(all_candidates: bool) -> list[dict]:
     return out
 
 
+def pairs_candidate_rows() -> list[dict]:
+    """The pairs norm assembly at each of ``bench_kernel_tiles``' candidates (with the ticket
+    finisher, for a split B: the largest footprint), so that a tile run never stops on one
+    that cannot launch."""
+    from benchmarks.bench_kernel_tiles import NORM_PAIRS_CANDIDATES
+
+    out = []
+    for name, (*blocks, sym) in NORM_PAIRS_CANDIDATES.items():
+        got = norm_pairs_resources(tuple(blocks), split=True, symmetric=sym, split_b=True)
+        out.append({"kernel": "norm_pairs", "candidate": name, **asdict(got)})
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--all", action="store_true", help="every config.BWD_CANDIDATES entry")
+    ap.add_argument("--pairs-candidates", action="store_true",
+                    help="only the pairs norm assembly at bench_kernel_tiles' candidates")  # fmt: skip
     ap.add_argument("--json", action="store_true", help="one JSON object per line")
     args = ap.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise SystemExit("unset TRITON_INTERPRET: the interpreter compiles nothing")
-    for row in rows(args.all):
+    for row in pairs_candidate_rows() if args.pairs_candidates else rows(args.all):
         print(json.dumps(row) if args.json else row)
     return 0
 

@@ -23,16 +23,20 @@ pytestmark = pytest.mark.skipif(not kr.tools_present(), reason="needs Triton's p
 REGISTER_CEILING = 255
 
 
-@pytest.fixture(scope="module")
-def rows():
+def _compiled_rows(*flags: str) -> list[dict]:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     done = subprocess.run(
-        [sys.executable, "-m", "benchmarks.kernel_resources", "--json"],
+        [sys.executable, "-m", "benchmarks.kernel_resources", "--json", *flags],
         capture_output=True, text=True, env=env, check=False, timeout=600,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     return [json.loads(line) for line in done.stdout.splitlines()]
+
+
+@pytest.fixture(scope="module")
+def rows():
+    return _compiled_rows()
 
 
 def test_every_flag_set_of_the_default_pass_and_the_compose_is_compiled(rows):
@@ -84,3 +88,16 @@ def test_the_pairs_norm_assembly_compiles_for_hopper_without_spills(rows):
     for r in pairs:
         assert r["stack_bytes"] == 0, r
         assert r["registers"] < REGISTER_CEILING, r
+        assert r["shared_bytes"] <= kr.SHARED_LIMIT, r
+
+
+def test_every_pairs_tile_candidate_can_launch_on_hopper():
+    """Each pairs candidate ``bench_kernel_tiles`` times fits sm_90's shared memory (run 204
+    stopped on a 128 × 128 × 128, 3-stage symmetric tile: 360 448 bytes), without spills."""
+    from benchmarks.bench_kernel_tiles import NORM_PAIRS_CANDIDATES
+
+    got = _compiled_rows("--pairs-candidates")
+    assert [r["candidate"] for r in got] == list(NORM_PAIRS_CANDIDATES)
+    for r in got:
+        assert r["shared_bytes"] <= kr.SHARED_LIMIT, r
+        assert r["stack_bytes"] == 0 and r["registers"] < REGISTER_CEILING, r
