@@ -81,24 +81,25 @@ COMPOSE_CANDIDATES = {
     "sq128_w4_g16": G(128, 128, 16, 4, 3),
 }
 TINY_COMPOSE = ("narrow", "narrow_k128")
-#: (BLOCK_M, BLOCK_R, BLOCK_K, warps, stages, symmetric) of the pairs assembly's kernel
-#: (symmetric: only G's blocks on and above the diagonal, BLOCK_K unused).
+#: (BLOCK_M, BLOCK_R, BLOCK_K, warps, stages, symmetric, early) of the pairs assembly's
+#: kernel (symmetric: only G's blocks on and above the diagonal, BLOCK_K unused; early: B's
+#: and U's tiles loaded before the products).
 NORM_PAIRS_CANDIDATES = {
-    "pairs_m128_w8": (128, 64, 64, 8, 3, False),
-    "pairs_m128_w4": (128, 64, 64, 4, 3, False),
-    "pairs_r128": (64, 128, 64, 4, 3, False),
-    "pairs_r128_m128_w8": (128, 128, 64, 8, 3, False),
-    "pairs_r32": (64, 32, 64, 4, 3, False),
-    "pairs_k128": (64, 64, 128, 4, 2, False),
-    "pairs_s2": (64, 64, 64, 4, 2, False),
-    "pairs_m32": (32, 64, 64, 4, 3, False),
-    "sym": (64, 64, 64, 4, 3, True),
-    "sym_s2": (64, 64, 64, 4, 2, True),
-    "sym_m128_w8": (128, 64, 64, 8, 3, True),
-    "sym_r32": (64, 32, 32, 4, 3, True),
-    "sym_r32_m128_w4": (128, 32, 32, 4, 3, True),
+    "pairs_m128_w8": (128, 64, 64, 8, 3, False, False),
+    "pairs_r128_m128_w8": (128, 128, 64, 8, 3, False, False),
+    "pairs_s2": (64, 64, 64, 4, 2, False, False),
+    "pairs_early": (64, 64, 64, 4, 3, False, True),
+    "pairs_s2_early": (64, 64, 64, 4, 2, False, True),
+    "pairs_m128_w8_early": (128, 64, 64, 8, 3, False, True),
+    "sym": (64, 64, 64, 4, 3, True, False),
+    "sym_s2": (64, 64, 64, 4, 2, True, False),
+    "sym_r32_m128_w4": (128, 32, 32, 4, 3, True, False),
+    "sym_early": (64, 64, 64, 4, 3, True, True),
+    "sym_s2_early": (64, 64, 64, 4, 2, True, True),
+    "sym_m128_w8_early": (128, 64, 64, 8, 3, True, True),
+    "sym_r32_m128_w4_early": (128, 32, 32, 4, 3, True, True),
 }
-TINY_NORM = ("gemm", "kernel", "pairs", "pairs_m32", "sym", "sym_r32")
+TINY_NORM = ("gemm", "kernel", "pairs", "pairs_early", "sym", "sym_s2_early")
 NORM_FORMS = ("gemm", "kernel", "pairs", *NORM_PAIRS_CANDIDATES)
 SCALE_REDUCE_CANDIDATES = {f"c{i}": c for i, c in enumerate(config.BWD_CANDIDATES)}
 TINY_SCALE_REDUCE = ("c0", "c10")
@@ -144,11 +145,12 @@ class NormBlocks(NamedTuple):
     num_warps: int
     num_stages: int
     symmetric: bool
+    early: bool
 
 
 def candidates(kernel: str) -> dict:
     return {"compose": COMPOSE_CANDIDATES, "scale_reduce": SCALE_REDUCE_CANDIDATES,
-            "norm": {"pairs": (*config.NORM_PAIRS, config.NORM_PAIRS_SYMMETRIC),
+            "norm": {"pairs": (*config.NORM_PAIRS, config.NORM_PAIRS_SYMMETRIC, False),
                      **NORM_PAIRS_CANDIDATES}}[kernel]  # fmt: skip
 
 
@@ -167,9 +169,10 @@ def form(kernel: str, name: str, o: Operands):
             return lambda: o.u2.copy_(o.u)
         method = {"chosen": "auto", "gemm": "gemm", "kernel": "kernel"}.get(name, "pairs")
         cfg = candidates("norm").get(name)
-        blocks, sym = (None, None) if cfg is None else (cfg[:5], cfg[5])
+        blocks, sym, early = (None, None, False) if cfg is None else (cfg[:5], *cfg[5:])
         return lambda: assemble_norm(o.base_sq, o.u, o.b, o.g, o.s, method=method, bf16x3=True,
-                                     pairs_blocks=blocks, pairs_symmetric=sym)  # fmt: skip
+                                     pairs_blocks=blocks, pairs_symmetric=sym,
+                                     pairs_early=early)  # fmt: skip
     if name == "add":
         return lambda: torch.add(o.dy, o.y, out=o.z)
     cfg = None if name == "chosen" else SCALE_REDUCE_CANDIDATES[name]

@@ -200,14 +200,17 @@ def lora_gemm_compose_resources(cfg, *, has_bias: bool, dropout: bool, store_inn
     )
 
 
-def norm_pairs_resources(blocks, *, split: bool, symmetric: bool, split_b: bool) -> Resources:
+def norm_pairs_resources(
+    blocks, *, split: bool, symmetric: bool, split_b: bool, early: bool = False
+) -> Resources:
     """The pairs norm assembly (``kernels/norm._norm_pairs_kernel``) at one blocks tuple of
     ``config.NORM_PAIRS``'s form: its column blocks summed by a ticket finisher or not
     (``split``), in its symmetric form or not, for a split B ([B_hi | B_lo]) or a bf16 one."""
     from dora_torch.kernels import norm
 
     bm, br, bk, warps, stages = blocks
-    flags = {"SPLIT_R": split, "SYMMETRIC": symmetric, "SPLIT_B": split_b, "DOT_FP32": False}
+    flags = {"SPLIT_R": split, "SYMMETRIC": symmetric, "SPLIT_B": split_b, "EARLY": early,
+             "DOT_FP32": False}  # fmt: skip
     return resources(
         norm._norm_pairs_kernel,
         {"BLOCK_M": bm, "BLOCK_R": br, "BLOCK_K": br if symmetric else bk, **flags},
@@ -269,8 +272,10 @@ def pairs_candidate_rows() -> list[dict]:
     from benchmarks.bench_kernel_tiles import NORM_PAIRS_CANDIDATES
 
     out = []
-    for name, (*blocks, sym) in NORM_PAIRS_CANDIDATES.items():
-        got = norm_pairs_resources(tuple(blocks), split=True, symmetric=sym, split_b=True)
+    for name, (*blocks, sym, early) in NORM_PAIRS_CANDIDATES.items():
+        got = norm_pairs_resources(
+            tuple(blocks), split=True, symmetric=sym, split_b=True, early=early
+        )
         out.append({"kernel": "norm_pairs", "candidate": name, **asdict(got)})
     return out
 

@@ -149,6 +149,7 @@ def assemble_norm(
     bf16x3: bool = False,
     pairs_blocks: tuple | None = None,
     pairs_symmetric: bool | None = None,
+    pairs_early: bool = False,
 ) -> torch.Tensor:
     """n [d_out] fp32 from base_sq [d_out] fp32, U [d_out, r] fp32, lora_B [d_out, r] (any
     float dtype), G [r, r] fp32. ``method``: "kernel", "gemm", "pairs" or "auto"
@@ -171,7 +172,8 @@ def assemble_norm(
         return _assemble_by_gemm(base_sq, U, lora_B, G, scaling, out, split)
     if method == "pairs":
         sym = config.NORM_PAIRS_SYMMETRIC if pairs_symmetric is None else pairs_symmetric
-        return _assemble_by_pairs(base_sq, U, lora_B, G, scaling, out, pairs_blocks, sym)
+        return _assemble_by_pairs(base_sq, U, lora_B, G, scaling, out, pairs_blocks, sym,
+                                  pairs_early)  # fmt: skip
     wide = R >= config.NORM_WIDE_RANK
     bm, br, warps = config.NORM_KERNEL_BLOCKS_WIDE if wide else config.NORM_KERNEL_BLOCKS
     bm = config.interp_small(bm)
@@ -296,6 +298,16 @@ def _pairs_block(bg, lhs_ptr, rhs_ptr, rows, mask_m, ks, mask_k, js, mask_j, R, 
 
 
 @triton.jit
+def _factor_tiles(lb_ptr, u_ptr, rows, js, mask, stride_bn, stride_br, stride_un):
+    """(B, U) at [rows, js] in fp32: the factors of the pairs kernel's reduction."""
+    b = tl.load(
+        lb_ptr + rows[:, None] * stride_bn + js[None, :] * stride_br, mask=mask, other=0.0
+    ).to(tl.float32)
+    u = tl.load(u_ptr + rows[:, None] * stride_un + js[None, :], mask=mask, other=0.0)
+    return b, u
+
+
+@triton.jit
 def _norm_pairs_kernel(
     base_sq_ptr,
     u_ptr,
@@ -320,6 +332,7 @@ def _norm_pairs_kernel(
     SPLIT_R: tl.constexpr,
     SYMMETRIC: tl.constexpr,
     SPLIT_B: tl.constexpr,
+    EARLY: tl.constexpr,
     DOT_FP32: tl.constexpr,
 ):
     """n_i = sqrt(max(base_sq_i + Σ_j B_ij (2s·U_ij + s²·(BG)_ij), 0)), program (i, j) taking
@@ -344,6 +357,9 @@ def _norm_pairs_kernel(
     mask_m = rows < N
     js = pid_j * BLOCK_R + tl.arange(0, BLOCK_R)
     mask_j = js < R
+    mask = mask_m[:, None] & mask_j[None, :]
+    if EARLY:
+        b, u = _factor_tiles(lb_ptr, u_ptr, rows, js, mask, stride_bn, stride_br, stride_un)
     bg = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
     if SYMMETRIC:
         bg = _pairs_block(bg, lhs_ptr, rhs_ptr, rows, mask_m, js, mask_j, js, mask_j, R,
@@ -366,11 +382,8 @@ def _norm_pairs_kernel(
             bg = _pairs_block(bg, lhs_ptr, rhs_ptr, rows, mask_m, ks, ks < KL, js, mask_j, R,
                               stride_ln, stride_rk, DOT_FP32)  # fmt: skip
         s2 = s * s
-    mask = mask_m[:, None] & mask_j[None, :]
-    b = tl.load(
-        lb_ptr + rows[:, None] * stride_bn + js[None, :] * stride_br, mask=mask, other=0.0
-    ).to(tl.float32)
-    u = tl.load(u_ptr + rows[:, None] * stride_un + js[None, :], mask=mask, other=0.0)
+    if not EARLY:
+        b, u = _factor_tiles(lb_ptr, u_ptr, rows, js, mask, stride_bn, stride_br, stride_un)
     acc = tl.sum(b * (2.0 * s * u + s2 * bg), axis=1)
     if SPLIT_R:
         finish_norm_rows(
@@ -483,7 +496,9 @@ def _pair_operands(lora_B: torch.Tensor, G: torch.Tensor) -> tuple[torch.Tensor,
     return split_bf16(lora_B), split_bf16(G, stacked=True)
 
 
-def _assemble_by_pairs(base_sq, U, lora_B, G, scaling, out, blocks=None, symmetric=False):
+def _assemble_by_pairs(
+    base_sq, U, lora_B, G, scaling, out, blocks=None, symmetric=False, early=False
+):
     """The ``"pairs"`` assembly: G (and a non-bf16 B) split into bf16 pairs, then one kernel
     over row blocks × column blocks of the sum (the column blocks give small layers enough
     programs). ``blocks``: (BLOCK_M, BLOCK_R, BLOCK_K, warps, stages), default
@@ -530,6 +545,7 @@ def _assemble_by_pairs(base_sq, U, lora_B, G, scaling, out, blocks=None, symmetr
         SPLIT_R=split,
         SYMMETRIC=symmetric,
         SPLIT_B=lhs.shape[1] != R,
+        EARLY=early,
         DOT_FP32=dot_fp32(lhs.dtype),
         num_warps=warps,
         num_stages=stages,

@@ -83,7 +83,7 @@ def lower_norm_pairs() -> list[str]:
     f32 = ("base_sq_ptr", "u_ptr", "part_ptr", "out_ptr")
     done = []
     for split, sym in itertools.product([False, True], repeat=2):
-        flags = dict(SPLIT_R=split, SYMMETRIC=sym, SPLIT_B=sym, DOT_FP32=False)
+        flags = dict(SPLIT_R=split, SYMMETRIC=sym, SPLIT_B=sym, EARLY=False, DOT_FP32=False)
         lower(
             _norm_pairs_kernel,
             {
