@@ -25,8 +25,7 @@ bf16 adapters have; tokens do not enter): n from ‖W‖², U = W·Aᵀ [d_out, 
 G = A·Aᵀ. Forms: ``chosen`` (``"auto"``: the gemm from r = ``config.NORM_GEMM_MIN_RANK``);
 ``gemm`` (split G, one cuBLAS GEMM writing a [d_out, 2r] fp32 B·G, the rows kernel);
 ``kernel`` (B·G in registers by 3xTF32 dots); ``pairs`` and every ``NORM_PAIRS_CANDIDATES``
-entry (the gemm's bf16 products in registers, ``config.NORM_PAIRS`` blocks or the entry's;
-``sym*``: only the blocks of G on and above its diagonal);
+entry (the gemm's bf16 products in registers, ``config.NORM_PAIRS`` blocks or the entry's);
 ``copy`` (U copied: the bytes of its one read).
 
 Each form's launches are captured in a CUDA graph and replayed ``--per-round`` times back
@@ -81,25 +80,16 @@ COMPOSE_CANDIDATES = {
     "sq128_w4_g16": G(128, 128, 16, 4, 3),
 }
 TINY_COMPOSE = ("narrow", "narrow_k128")
-#: (BLOCK_M, BLOCK_R, BLOCK_K, warps, stages, symmetric, early) of the pairs assembly's
-#: kernel (symmetric: only G's blocks on and above the diagonal, BLOCK_K unused; early: B's
-#: and U's tiles loaded before the products).
+#: (BLOCK_M, BLOCK_R, warps, stages) of the pairs assembly's kernel (run 205 timed the form
+#: that formed all of G's blocks, and the loads of B's and U's tiles after the products).
 NORM_PAIRS_CANDIDATES = {
-    "pairs_m128_w8": (128, 64, 64, 8, 3, False, False),
-    "pairs_r128_m128_w8": (128, 128, 64, 8, 3, False, False),
-    "pairs_s2": (64, 64, 64, 4, 2, False, False),
-    "pairs_early": (64, 64, 64, 4, 3, False, True),
-    "pairs_s2_early": (64, 64, 64, 4, 2, False, True),
-    "pairs_m128_w8_early": (128, 64, 64, 8, 3, False, True),
-    "sym": (64, 64, 64, 4, 3, True, False),
-    "sym_s2": (64, 64, 64, 4, 2, True, False),
-    "sym_r32_m128_w4": (128, 32, 32, 4, 3, True, False),
-    "sym_early": (64, 64, 64, 4, 3, True, True),
-    "sym_s2_early": (64, 64, 64, 4, 2, True, True),
-    "sym_m128_w8_early": (128, 64, 64, 8, 3, True, True),
-    "sym_r32_m128_w4_early": (128, 32, 32, 4, 3, True, True),
+    "pairs_s3": (64, 64, 4, 3),
+    "pairs_m128_w8": (128, 64, 8, 3),
+    "pairs_m128_w8_s2": (128, 64, 8, 2),
+    "pairs_r32_m128_w4": (128, 32, 4, 3),
+    "pairs_r32": (64, 32, 4, 2),
 }
-TINY_NORM = ("gemm", "kernel", "pairs", "pairs_early", "sym", "sym_s2_early")
+TINY_NORM = ("gemm", "kernel", "pairs", "pairs_r32")
 NORM_FORMS = ("gemm", "kernel", "pairs", *NORM_PAIRS_CANDIDATES)
 SCALE_REDUCE_CANDIDATES = {f"c{i}": c for i, c in enumerate(config.BWD_CANDIDATES)}
 TINY_SCALE_REDUCE = ("c0", "c10")
@@ -136,22 +126,17 @@ class Operands:
 
 
 class NormBlocks(NamedTuple):
-    """The pairs kernel's blocks (``config.NORM_PAIRS``'s order) and its symmetric form,
-    named for the CSV."""
+    """The pairs kernel's blocks (``config.NORM_PAIRS``'s order), named for the CSV."""
 
     block_m: int
     block_r: int
-    block_k: int
     num_warps: int
     num_stages: int
-    symmetric: bool
-    early: bool
 
 
 def candidates(kernel: str) -> dict:
     return {"compose": COMPOSE_CANDIDATES, "scale_reduce": SCALE_REDUCE_CANDIDATES,
-            "norm": {"pairs": (*config.NORM_PAIRS, config.NORM_PAIRS_SYMMETRIC, False),
-                     **NORM_PAIRS_CANDIDATES}}[kernel]  # fmt: skip
+            "norm": {"pairs": config.NORM_PAIRS, **NORM_PAIRS_CANDIDATES}}[kernel]  # fmt: skip
 
 
 def form(kernel: str, name: str, o: Operands):
@@ -168,11 +153,10 @@ def form(kernel: str, name: str, o: Operands):
         if name == "copy":
             return lambda: o.u2.copy_(o.u)
         method = {"chosen": "auto", "gemm": "gemm", "kernel": "kernel"}.get(name, "pairs")
-        cfg = candidates("norm").get(name)
-        blocks, sym, early = (None, None, False) if cfg is None else (cfg[:5], *cfg[5:])
-        return lambda: assemble_norm(o.base_sq, o.u, o.b, o.g, o.s, method=method, bf16x3=True,
-                                     pairs_blocks=blocks, pairs_symmetric=sym,
-                                     pairs_early=early)  # fmt: skip
+        blocks = candidates("norm").get(name)
+        return lambda: assemble_norm(
+            o.base_sq, o.u, o.b, o.g, o.s, method=method, bf16x3=True, pairs_blocks=blocks
+        )
     if name == "add":
         return lambda: torch.add(o.dy, o.y, out=o.z)
     cfg = None if name == "chosen" else SCALE_REDUCE_CANDIDATES[name]

@@ -200,20 +200,16 @@ def lora_gemm_compose_resources(cfg, *, has_bias: bool, dropout: bool, store_inn
     )
 
 
-def norm_pairs_resources(
-    blocks, *, split: bool, symmetric: bool, split_b: bool, early: bool = False
-) -> Resources:
+def norm_pairs_resources(blocks, *, split: bool, split_b: bool) -> Resources:
     """The pairs norm assembly (``kernels/norm._norm_pairs_kernel``) at one blocks tuple of
     ``config.NORM_PAIRS``'s form: its column blocks summed by a ticket finisher or not
-    (``split``), in its symmetric form or not, for a split B ([B_hi | B_lo]) or a bf16 one."""
+    (``split``), for a split B ([B_hi | B_lo]) or a bf16 one."""
     from dora_torch.kernels import norm
 
-    bm, br, bk, warps, stages = blocks
-    flags = {"SPLIT_R": split, "SYMMETRIC": symmetric, "SPLIT_B": split_b, "EARLY": early,
-             "DOT_FP32": False}  # fmt: skip
+    bm, br, warps, stages = blocks
     return resources(
         norm._norm_pairs_kernel,
-        {"BLOCK_M": bm, "BLOCK_R": br, "BLOCK_K": br if symmetric else bk, **flags},
+        {"BLOCK_M": bm, "BLOCK_R": br, "SPLIT_R": split, "SPLIT_B": split_b, "DOT_FP32": False},
         fp32_pointers=("base_sq_ptr", "u_ptr", "lb_ptr", "part_ptr", "out_ptr"),
         int32_pointers=("tickets_ptr",),
         floats=("s",),
@@ -226,8 +222,8 @@ def rows(all_candidates: bool) -> list[dict]:
     """One row per kernel, config and flag set: config.BWD's (or every candidate's) pass for
     every valid flag set (recover mode has no bias, so no dbias), the compose, the epilogue
     GEMM at the two tiles ``config.lora_gemm_config`` picks (or every candidate), and the
-    pairs norm assembly at ``config.NORM_PAIRS`` (and ``NORM_PAIRS_SYMMETRIC``) with and
-    without its ticket finisher, for a bf16 and a split B."""
+    pairs norm assembly at ``config.NORM_PAIRS`` with and without its ticket finisher, for a
+    bf16 and a split B."""
     from dora_torch import config
 
     out = []
@@ -257,11 +253,10 @@ def rows(all_candidates: bool) -> list[dict]:
             out.append({"kernel": "lora_gemm_compose", "candidate": i,
                         "num_warps": cfg.num_warps, **flags,
                         **asdict(got)})  # fmt: skip
-    sym = config.NORM_PAIRS_SYMMETRIC
     for split, split_b in itertools.product([False, True], repeat=2):
-        got = norm_pairs_resources(config.NORM_PAIRS, split=split, symmetric=sym, split_b=split_b)
-        out.append({"kernel": "norm_pairs", "num_warps": config.NORM_PAIRS[3], "split": split,
-                    "symmetric": sym, "split_b": split_b, **asdict(got)})  # fmt: skip
+        got = norm_pairs_resources(config.NORM_PAIRS, split=split, split_b=split_b)
+        out.append({"kernel": "norm_pairs", "num_warps": config.NORM_PAIRS[2], "split": split,
+                    "split_b": split_b, **asdict(got)})  # fmt: skip
     return out
 
 
@@ -272,10 +267,8 @@ def pairs_candidate_rows() -> list[dict]:
     from benchmarks.bench_kernel_tiles import NORM_PAIRS_CANDIDATES
 
     out = []
-    for name, (*blocks, sym, early) in NORM_PAIRS_CANDIDATES.items():
-        got = norm_pairs_resources(
-            tuple(blocks), split=True, symmetric=sym, split_b=True, early=early
-        )
+    for name, blocks in NORM_PAIRS_CANDIDATES.items():
+        got = norm_pairs_resources(blocks, split=True, split_b=True)
         out.append({"kernel": "norm_pairs", "candidate": name, **asdict(got)})
     return out
 

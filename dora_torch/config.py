@@ -260,11 +260,10 @@ NORM_GEMM_MIN_RANK = 256
 NORM_ROWS_BLOCK_M = 16
 NORM_ROWS_BLOCK_R = 128
 NORM_ROWS_WARPS = 4
-#: (BLOCK_M, BLOCK_R, BLOCK_K, warps, stages) of the "pairs" assembly's kernel.
-NORM_PAIRS = (64, 64, 64, 4, 3)
-#: The pairs kernel forms only the blocks of B·G on and above G's diagonal (G = A·Aᵀ is
-#: symmetric; kernels/norm._norm_pairs_kernel's ``SYMMETRIC``): 21 of 36 K blocks at r = 384.
-NORM_PAIRS_SYMMETRIC = False
+#: (BLOCK_M, BLOCK_R, warps, stages) of the "pairs" assembly's kernel, which forms only G's
+#: blocks on and above the diagonal (run 205, µs at d_out 1024 / 4096 / 14336, r = 384: the
+#: full form at (64, 64, 64, 4, 3) 11.03 / 14.61 / 39.49; this one 11.16 / 13.57 / 33.76).
+NORM_PAIRS = (64, 64, 4, 2)
 
 
 def interp_small(block: int, small: int = 16) -> int:

@@ -25,7 +25,9 @@ with U = W Aᵀ [d_out, r] and G = A Aᵀ [r, r] (fp32, from GEMMs). Three ways
   ``_norm_pairs_kernel`` and reduced at once, as ``"kernel"`` does: B·G never reaches memory
   (at r = 384 the gemm writes and the rows kernel reads a [rows, 2r] fp32 B·G, ~2 GB per
   8-layer step), and one launch replaces the GEMM and the rows kernel. The same bf16 products
-  as ``"gemm"``, summed into one fp32 accumulator instead of two halves added after.
+  as ``"gemm"``, summed into one fp32 accumulator instead of two halves added after, and
+  only those with G's blocks on and above its diagonal: Σ_jk B_ij G_kj B_ik is symmetric in
+  j and k, so the blocks below count through their mirror images.
 - ``"auto"`` (``assembly_method``): for large r, "pairs" for a 16-bit W (bf16x3) and "gemm"
   for an fp32 W with IEEE fp32 matmuls, else "kernel": the accuracy never depends on a global
   flag.
@@ -148,18 +150,15 @@ def assemble_norm(
     method: str | None = None,
     bf16x3: bool = False,
     pairs_blocks: tuple | None = None,
-    pairs_symmetric: bool | None = None,
-    pairs_early: bool = False,
 ) -> torch.Tensor:
     """n [d_out] fp32 from base_sq [d_out] fp32, U [d_out, r] fp32, lora_B [d_out, r] (any
     float dtype), G [r, r] fp32. ``method``: "kernel", "gemm", "pairs" or "auto"
     (default ``config.NORM_ASSEMBLY``); ``bf16x3``: the layer's W is 16-bit, and the gemm forms
     B·G from bf16 products when ``config.NORM_GEMM_BF16X3`` (see the module docstring);
     "pairs" always does, so it needs ``bf16x3`` (``config.NORM_ASSEMBLY = "pairs"`` leaves
-    other layers to "auto"). ``pairs_blocks``: the pairs kernel's (BLOCK_M, BLOCK_R,
-    BLOCK_K, warps, stages) instead of ``config.NORM_PAIRS``; ``pairs_symmetric``: instead of
-    ``config.NORM_PAIRS_SYMMETRIC`` (benchmarks). The symmetric form needs G symmetric, as
-    A·Aᵀ is."""
+    other layers to "auto"; it reads only G's blocks on and above the diagonal, so G must be
+    symmetric, as A·Aᵀ is). ``pairs_blocks``: the pairs kernel's (BLOCK_M, BLOCK_R, warps,
+    stages) instead of ``config.NORM_PAIRS`` (benchmarks)."""
     N, R = lora_B.shape
     method = resolve_method(method, R, bf16x3)
     check_launchable(U)
@@ -171,9 +170,7 @@ def assemble_norm(
         split = bf16x3 and config.NORM_GEMM_BF16X3
         return _assemble_by_gemm(base_sq, U, lora_B, G, scaling, out, split)
     if method == "pairs":
-        sym = config.NORM_PAIRS_SYMMETRIC if pairs_symmetric is None else pairs_symmetric
-        return _assemble_by_pairs(base_sq, U, lora_B, G, scaling, out, pairs_blocks, sym,
-                                  pairs_early)  # fmt: skip
+        return _assemble_by_pairs(base_sq, U, lora_B, G, scaling, out, pairs_blocks)
     wide = R >= config.NORM_WIDE_RANK
     bm, br, warps = config.NORM_KERNEL_BLOCKS_WIDE if wide else config.NORM_KERNEL_BLOCKS
     bm = config.interp_small(bm)
@@ -298,13 +295,19 @@ def _pairs_block(bg, lhs_ptr, rhs_ptr, rows, mask_m, ks, mask_k, js, mask_j, R, 
 
 
 @triton.jit
-def _factor_tiles(lb_ptr, u_ptr, rows, js, mask, stride_bn, stride_br, stride_un):
-    """(B, U) at [rows, js] in fp32: the factors of the pairs kernel's reduction."""
-    b = tl.load(
-        lb_ptr + rows[:, None] * stride_bn + js[None, :] * stride_br, mask=mask, other=0.0
-    ).to(tl.float32)
-    u = tl.load(u_ptr + rows[:, None] * stride_un + js[None, :], mask=mask, other=0.0)
-    return b, u
+def _pairs_blocks_from(bg, kb, lhs_ptr, rhs_ptr, rows, mask_m, js, mask_j, R, stride_ln,
+                       stride_rk, BLOCK_R: tl.constexpr, SPLIT_B: tl.constexpr,
+                       DOT_FP32: tl.constexpr):  # fmt: skip
+    """``_pairs_block`` for K block ``kb`` (columns kb·BLOCK_R…): for a split B ([B_hi | B_lo]
+    against [[G_hi, G_lo], [G_hi, 0]]) also B_lo's columns R + k, against G_hi alone."""
+    ks = kb * BLOCK_R + tl.arange(0, BLOCK_R)
+    mask_k = ks < R
+    bg = _pairs_block(bg, lhs_ptr, rhs_ptr, rows, mask_m, ks, mask_k, js, mask_j, R,
+                      stride_ln, stride_rk, DOT_FP32)  # fmt: skip
+    if SPLIT_B:
+        bg = _pairs_block(bg, lhs_ptr, rhs_ptr, rows, mask_m, R + ks, mask_k, js, mask_j, R,
+                          stride_ln, stride_rk, DOT_FP32, False)  # fmt: skip
+    return bg
 
 
 @triton.jit
@@ -319,7 +322,6 @@ def _norm_pairs_kernel(
     out_ptr,
     N,
     R,
-    KL,
     stride_un,
     stride_ln,
     stride_rk,
@@ -328,28 +330,24 @@ def _norm_pairs_kernel(
     s,
     BLOCK_M: tl.constexpr,
     BLOCK_R: tl.constexpr,
-    BLOCK_K: tl.constexpr,
     SPLIT_R: tl.constexpr,
-    SYMMETRIC: tl.constexpr,
     SPLIT_B: tl.constexpr,
-    EARLY: tl.constexpr,
     DOT_FP32: tl.constexpr,
 ):
-    """n_i = sqrt(max(base_sq_i + Σ_j B_ij (2s·U_ij + s²·(BG)_ij), 0)), program (i, j) taking
-    row block i and column block j of the sum, with (BG)_ij = Σ_k lhs_ik (rhs_kj + rhs_k(R+j)):
-    ``bg_bf16x3``'s operands (lhs [N, KL] bf16, B or [B_hi | B_lo]; rhs [KL, 2R] bf16,
-    [G_hi | G_lo] or [[G_hi, G_lo], [G_hi, 0]]; unit column strides), both halves' products
-    accumulated in fp32 in one tile. U is fp32 with unit column stride; lb is B as the layer
-    holds it (the reduction's own factor). ``SPLIT_R`` (more than one column block): each
-    program stores its partial [rows] in part [col blocks, N] and takes a ticket; the last of
-    a row block adds the partials up in column order (kernels/workspace.py) and writes n.
+    """n_i = sqrt(max(base_sq_i + Σ_j B_ij (2s·U_ij + s²·(BG)_ij), 0)), program (i, J) taking
+    row block i and column block J of the sum, with (BG)_ij = Σ_k lhs_ik (rhs_kj + rhs_k(R+j)):
+    ``bg_bf16x3``'s operands (lhs [N, R] bf16 B, or [N, 2R] [B_hi | B_lo] with ``SPLIT_B``;
+    rhs [2R or R, 2R] bf16, [[G_hi, G_lo], [G_hi, 0]] or [G_hi | G_lo]; unit column strides),
+    both halves' products accumulated in fp32 in one tile. U is fp32 with unit column stride;
+    lb is B as the layer holds it (the reduction's own factor).
 
-    ``SYMMETRIC`` (BLOCK_K = BLOCK_R; G symmetric, as A·Aᵀ is): Σ_jk B_ij G_kj B_ik is the
-    same sum with j and k swapped, so over column blocks J and K it is Σ_J T_JJ + 2·Σ_{J<K}
-    T_JK, T_JK = Σ_{j∈J, k∈K} B_ij G_kj B_ik. Program J forms its diagonal block at half
-    weight and the blocks K > J at full weight, and doubles its reduction: 21 of the 36 K
-    blocks at r = 384 with 64-wide blocks (the scaling by ½ and 2 is exact). ``SPLIT_B``
-    (lhs is [B_hi | B_lo]): each K block is two, lhs columns k (B_hi) and R + k (B_lo)."""
+    G = A·Aᵀ is symmetric, so Σ_jk B_ij G_kj B_ik is the same sum with j and k swapped: over
+    column blocks J and K it is Σ_J T_JJ + 2·Σ_{J<K} T_JK, T_JK = Σ_{j∈J, k∈K} B_ij G_kj B_ik.
+    Program J forms its diagonal block at half weight and the K blocks after it at full
+    weight, and doubles its s² term (the scalings by ½ and 2 are exact): 21 of 36 K blocks at
+    r = 384 with 64-wide blocks. ``SPLIT_R`` (more than one column block): each program
+    stores its partial [rows] in part [col blocks, N] and takes a ticket; the last of a row
+    block adds the partials up in column order (kernels/workspace.py) and writes n."""
     # Scalars arrive as fp64 when Inductor launches the kernel: keep the math in fp32.
     s = tl.cast(s, tl.float32)
     pid_m, pid_j = tl.program_id(0), tl.program_id(1)
@@ -358,33 +356,19 @@ def _norm_pairs_kernel(
     js = pid_j * BLOCK_R + tl.arange(0, BLOCK_R)
     mask_j = js < R
     mask = mask_m[:, None] & mask_j[None, :]
-    if EARLY:
-        b, u = _factor_tiles(lb_ptr, u_ptr, rows, js, mask, stride_bn, stride_br, stride_un)
+    # the reduction's factors first: their loads are in flight during the products
+    b = tl.load(
+        lb_ptr + rows[:, None] * stride_bn + js[None, :] * stride_br, mask=mask, other=0.0
+    ).to(tl.float32)
+    u = tl.load(u_ptr + rows[:, None] * stride_un + js[None, :], mask=mask, other=0.0)
     bg = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    if SYMMETRIC:
-        bg = _pairs_block(bg, lhs_ptr, rhs_ptr, rows, mask_m, js, mask_j, js, mask_j, R,
-                          stride_ln, stride_rk, DOT_FP32)  # fmt: skip
-        if SPLIT_B:  # B_lo · G_hi (rhs rows R + k: [G_hi, 0])
-            bg = _pairs_block(bg, lhs_ptr, rhs_ptr, rows, mask_m, R + js, mask_j, js, mask_j,
-                              R, stride_ln, stride_rk, DOT_FP32, False)  # fmt: skip
-        bg = bg * 0.5
-        for kb in range(pid_j + 1, tl.cdiv(R, BLOCK_R)):
-            ks = kb * BLOCK_R + tl.arange(0, BLOCK_R)
-            bg = _pairs_block(bg, lhs_ptr, rhs_ptr, rows, mask_m, ks, ks < R, js, mask_j, R,
-                              stride_ln, stride_rk, DOT_FP32)  # fmt: skip
-            if SPLIT_B:
-                bg = _pairs_block(bg, lhs_ptr, rhs_ptr, rows, mask_m, R + ks, ks < R, js,
-                                  mask_j, R, stride_ln, stride_rk, DOT_FP32, False)  # fmt: skip
-        s2 = 2.0 * s * s
-    else:
-        for k0 in range(0, KL, BLOCK_K):
-            ks = k0 + tl.arange(0, BLOCK_K)
-            bg = _pairs_block(bg, lhs_ptr, rhs_ptr, rows, mask_m, ks, ks < KL, js, mask_j, R,
-                              stride_ln, stride_rk, DOT_FP32)  # fmt: skip
-        s2 = s * s
-    if not EARLY:
-        b, u = _factor_tiles(lb_ptr, u_ptr, rows, js, mask, stride_bn, stride_br, stride_un)
-    acc = tl.sum(b * (2.0 * s * u + s2 * bg), axis=1)
+    bg = _pairs_blocks_from(bg, pid_j, lhs_ptr, rhs_ptr, rows, mask_m, js, mask_j, R,
+                            stride_ln, stride_rk, BLOCK_R, SPLIT_B, DOT_FP32)  # fmt: skip
+    bg = bg * 0.5
+    for kb in range(pid_j + 1, tl.cdiv(R, BLOCK_R)):
+        bg = _pairs_blocks_from(bg, kb, lhs_ptr, rhs_ptr, rows, mask_m, js, mask_j, R,
+                                stride_ln, stride_rk, BLOCK_R, SPLIT_B, DOT_FP32)  # fmt: skip
+    acc = tl.sum(b * (2.0 * s * u + 2.0 * s * s * bg), axis=1)
     if SPLIT_R:
         finish_norm_rows(
             acc, part_ptr, tickets_ptr, base_sq_ptr, out_ptr, rows, mask_m, pid_m, pid_j, N, True
@@ -496,23 +480,18 @@ def _pair_operands(lora_B: torch.Tensor, G: torch.Tensor) -> tuple[torch.Tensor,
     return split_bf16(lora_B), split_bf16(G, stacked=True)
 
 
-def _assemble_by_pairs(
-    base_sq, U, lora_B, G, scaling, out, blocks=None, symmetric=False, early=False
-):
+def _assemble_by_pairs(base_sq, U, lora_B, G, scaling, out, blocks=None):
     """The ``"pairs"`` assembly: G (and a non-bf16 B) split into bf16 pairs, then one kernel
     over row blocks × column blocks of the sum (the column blocks give small layers enough
-    programs). ``blocks``: (BLOCK_M, BLOCK_R, BLOCK_K, warps, stages), default
-    ``config.NORM_PAIRS``; ``symmetric``: the kernel's ``SYMMETRIC`` form (its K blocks are
-    the column blocks, so BLOCK_K is not used)."""
+    programs). ``blocks``: (BLOCK_M, BLOCK_R, warps, stages), default ``config.NORM_PAIRS``."""
     N, R = lora_B.shape
     U = U.contiguous()
     lhs, rhs = _pair_operands(lora_B, G)
     lhs = lhs.contiguous()
     check_launchable(lhs)  # [N, 2r] for a split B: twice U's elements
-    bm, br, bk, warps, stages = config.NORM_PAIRS if blocks is None else blocks
+    bm, br, warps, stages = config.NORM_PAIRS if blocks is None else blocks
     bm = config.interp_small(bm)
     br = max(16, min(config.interp_small(br), next_pow2(R)))
-    bk = br if symmetric else max(16, min(config.interp_small(bk), next_pow2(lhs.shape[1])))
     grid = (cdiv(N, bm), cdiv(R, br))
     split = grid[1] > 1
     if split:
@@ -532,7 +511,6 @@ def _assemble_by_pairs(
         out,
         N,
         R,
-        lhs.shape[1],
         U.stride(0),
         lhs.stride(0),
         rhs.stride(0),
@@ -541,11 +519,8 @@ def _assemble_by_pairs(
         float(scaling),
         BLOCK_M=bm,
         BLOCK_R=br,
-        BLOCK_K=bk,
         SPLIT_R=split,
-        SYMMETRIC=symmetric,
         SPLIT_B=lhs.shape[1] != R,
-        EARLY=early,
         DOT_FP32=dot_fp32(lhs.dtype),
         num_warps=warps,
         num_stages=stages,

@@ -74,16 +74,14 @@ def lower_norm_pass() -> list[str]:
 
 def lower_norm_pairs() -> list[str]:
     """The pairs assembly (kernels/norm.py), with and without its split over column blocks
-    (and its finisher), in both forms (all of G, or its blocks on and above the diagonal),
-    at the configured blocks."""
+    (and its finisher), for a bf16 and a split B, at the configured blocks."""
     from dora_torch import config
     from dora_torch.kernels.norm import _norm_pairs_kernel
 
-    bm, br, bk, warps, stages = config.NORM_PAIRS
+    bm, br, warps, stages = config.NORM_PAIRS
     f32 = ("base_sq_ptr", "u_ptr", "part_ptr", "out_ptr")
     done = []
-    for split, sym in itertools.product([False, True], repeat=2):
-        flags = dict(SPLIT_R=split, SYMMETRIC=sym, SPLIT_B=sym, EARLY=False, DOT_FP32=False)
+    for split, split_b in itertools.product([False, True], repeat=2):
         lower(
             _norm_pairs_kernel,
             {
@@ -93,11 +91,11 @@ def lower_norm_pairs() -> list[str]:
                 "tickets_ptr": "i32",
                 **dict.fromkeys(f32, "fp32"),
             },
-            dict(BLOCK_M=bm, BLOCK_R=br, BLOCK_K=br if sym else bk, **flags),
+            dict(BLOCK_M=bm, BLOCK_R=br, SPLIT_R=split, SPLIT_B=split_b, DOT_FP32=False),
             warps=warps,
             stages=stages,
         )
-        done.append(f"_norm_pairs_kernel split_r={split} symmetric={sym}")
+        done.append(f"_norm_pairs_kernel split_r={split} split_b={split_b}")
     return done
 
 

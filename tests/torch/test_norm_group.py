@@ -337,7 +337,7 @@ def test_graph_replay_matches_layer_by_layer_on_gpu(
 ):
     monkeypatch.setattr(config, "NORM_GROUP_STREAMS", streams)
     monkeypatch.setattr(config, "NORM_ASSEMBLY", assembly)
-    monkeypatch.setattr(config, "NORM_PAIRS", (16, 16, 16, 4, 2))  # 3 column blocks at r = 40
+    monkeypatch.setattr(config, "NORM_PAIRS", (16, 16, 4, 2))  # 3 column blocks at r = 40
     x = torch.randn(512, 24, device="cuda", dtype=torch.bfloat16)
     ref_model, _ = _model("cuda", torch.bfloat16, adapter_dtype, r=r)
     monkeypatch.setattr(config, "NORM_GROUP_GRAPHS", False)
