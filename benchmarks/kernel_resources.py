@@ -276,8 +276,11 @@ def pairs_candidate_rows() -> list[dict]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--all", action="store_true", help="every config.BWD_CANDIDATES entry")
-    ap.add_argument("--pairs-candidates", action="store_true",
-                    help="only the pairs norm assembly at bench_kernel_tiles' candidates")  # fmt: skip
+    ap.add_argument(
+        "--pairs-candidates",
+        action="store_true",
+        help="only the pairs norm assembly at bench_kernel_tiles' candidates",
+    )
     ap.add_argument("--json", action="store_true", help="one JSON object per line")
     args = ap.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
