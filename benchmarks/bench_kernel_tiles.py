@@ -80,7 +80,7 @@ COMPOSE_CANDIDATES = {
     "sq128_w4_g16": G(128, 128, 16, 4, 3),
 }
 TINY_COMPOSE = ("narrow", "narrow_k128")
-#: (BLOCK_M, BLOCK_R, warps, stages) of the pairs assembly's kernel (run 205 timed the form
+#: (BLOCK_M, BLOCK_R, warps, stages) of the pairs assembly's kernel (runs 205-206 timed the form
 #: that formed all of G's blocks, and the loads of B's and U's tiles after the products).
 NORM_PAIRS_CANDIDATES = {
     "pairs_s3": (64, 64, 4, 3),
