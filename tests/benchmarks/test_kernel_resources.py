@@ -93,7 +93,7 @@ def test_the_pairs_norm_assembly_compiles_for_hopper_without_spills(rows):
 
 def test_every_pairs_tile_candidate_can_launch_on_hopper():
     """Each pairs candidate ``bench_kernel_tiles`` times fits sm_90's shared memory (run 204
-    stopped on a 128 × 128 × 128, 3-stage symmetric tile: 360 448 bytes), without spills."""
+    stopped on a 128 × 128 × 128-block, 3-stage tile: 360 448 bytes), without spills."""
     from benchmarks.bench_kernel_tiles import NORM_PAIRS_CANDIDATES
 
     got = _compiled_rows("--pairs-candidates")
