@@ -81,8 +81,8 @@ COMPILED_TRAIN_NORM = "graph"
 #: "never". The norm keeps its tier. Read when a graph is traced.
 COMPILED_TORCH_COMPOSE = "auto"
 #: The rank from which "auto" gives training graphs the torch forward. On the compiled
-#: model step (one H100, runs 185, 192-197, 200) it saved GPU time at r = 384, cost it at
-#: r = 16 and r = 256, and tied at r = 128; ranks between 256 and 384 are unmeasured.
+#: model step (one H100, runs 185, 192-197, 200, 204) it saved GPU time at r = 384, cost it
+#: at r = 16, 256 and 320, and tied at r = 128; ranks between 320 and 384 are unmeasured.
 COMPILED_TORCH_FORWARD_MIN_RANK = 384
 
 #: Compiled training graphs read ‖W‖² from the module's ``dora_base_sq`` buffer (kept by
