@@ -269,44 +269,32 @@ def finish_norm_rows(
 
 
 @triton.jit
-def _pairs_block(bg, lhs_ptr, rhs_ptr, rows, mask_m, ks, mask_k, js, mask_j, R, stride_ln,
-                 stride_rk, DOT_FP32: tl.constexpr, LO: tl.constexpr = True):  # fmt: skip
-    """bg + lhs[rows, ks] · (rhs[ks, js] + rhs[ks, R + js]): one K block of
-    ``_norm_pairs_kernel``'s products, both halves accumulated in fp32 (``LO`` False: the
-    first half only, where the second is known to be zero)."""
-    lhs = tl.load(
-        lhs_ptr + rows[:, None] * stride_ln + ks[None, :],
-        mask=mask_m[:, None] & mask_k[None, :],
-        other=0.0,
-    )
-    at = rhs_ptr + ks[:, None] * stride_rk + js[None, :]
-    mask_kj = mask_k[:, None] & mask_j[None, :]
-    hi = tl.load(at, mask=mask_kj, other=0.0)
-    if DOT_FP32:  # the interpreter (common.dot_fp32): exact upcasts of bf16 values
-        lhs, hi = lhs.to(tl.float32), hi.to(tl.float32)
-    # "ieee" matters only to those fp32 upcasts; bf16 products are exact either way
-    bg = tl.dot(lhs, hi, bg, input_precision="ieee")
-    if LO:
-        lo = tl.load(at + R, mask=mask_kj, other=0.0)
-        if DOT_FP32:
-            lo = lo.to(tl.float32)
-        bg = tl.dot(lhs, lo, bg, input_precision="ieee")
-    return bg
-
-
-@triton.jit
-def _pairs_blocks_from(bg, kb, lhs_ptr, rhs_ptr, rows, mask_m, js, mask_j, R, stride_ln,
-                       stride_rk, BLOCK_R: tl.constexpr, SPLIT_B: tl.constexpr,
-                       DOT_FP32: tl.constexpr):  # fmt: skip
-    """``_pairs_block`` for K block ``kb`` (columns kb·BLOCK_R…): for a split B ([B_hi | B_lo]
-    against [[G_hi, G_lo], [G_hi, 0]]) also B_lo's columns R + k, against G_hi alone."""
+def _pairs_block(bg, kb, lhs_ptr, rhs_ptr, rows, mask_m, js, mask_j, R, stride_ln, stride_rk,
+                 BLOCK_R: tl.constexpr, SPLIT_B: tl.constexpr,
+                 DOT_FP32: tl.constexpr):  # fmt: skip
+    """bg + lhs[rows, ks] · (G_hi + G_lo)[ks, js] for K block ``kb`` (ks = kb·BLOCK_R…), from
+    rhs rows ks ([G_hi | G_lo]); with ``SPLIT_B`` also B_lo's columns R + ks against the same
+    G_hi tile (the stacked rhs' rows R + k repeat it beside zeros). Products of bf16 values,
+    accumulated in fp32."""
     ks = kb * BLOCK_R + tl.arange(0, BLOCK_R)
     mask_k = ks < R
-    bg = _pairs_block(bg, lhs_ptr, rhs_ptr, rows, mask_m, ks, mask_k, js, mask_j, R,
-                      stride_ln, stride_rk, DOT_FP32)  # fmt: skip
+    mask_mk = mask_m[:, None] & mask_k[None, :]
+    at = lhs_ptr + rows[:, None] * stride_ln + ks[None, :]
+    lhs = tl.load(at, mask=mask_mk, other=0.0)
+    g_at = rhs_ptr + ks[:, None] * stride_rk + js[None, :]
+    mask_kj = mask_k[:, None] & mask_j[None, :]
+    hi = tl.load(g_at, mask=mask_kj, other=0.0)
+    lo = tl.load(g_at + R, mask=mask_kj, other=0.0)
+    if DOT_FP32:  # the interpreter (common.dot_fp32): exact upcasts of bf16 values
+        lhs, hi, lo = lhs.to(tl.float32), hi.to(tl.float32), lo.to(tl.float32)
+    # "ieee" matters only to those fp32 upcasts; bf16 products are exact either way
+    bg = tl.dot(lhs, hi, bg, input_precision="ieee")
+    bg = tl.dot(lhs, lo, bg, input_precision="ieee")
     if SPLIT_B:
-        bg = _pairs_block(bg, lhs_ptr, rhs_ptr, rows, mask_m, R + ks, mask_k, js, mask_j, R,
-                          stride_ln, stride_rk, DOT_FP32, False)  # fmt: skip
+        lhs_lo = tl.load(at + R, mask=mask_mk, other=0.0)
+        if DOT_FP32:
+            lhs_lo = lhs_lo.to(tl.float32)
+        bg = tl.dot(lhs_lo, hi, bg, input_precision="ieee")
     return bg
 
 
@@ -363,12 +351,12 @@ def _norm_pairs_kernel(
     ).to(tl.float32)
     u = tl.load(u_ptr + rows[:, None] * stride_un + js[None, :], mask=mask, other=0.0)
     bg = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    bg = _pairs_blocks_from(bg, pid_j, lhs_ptr, rhs_ptr, rows, mask_m, js, mask_j, R,
-                            stride_ln, stride_rk, BLOCK_R, SPLIT_B, DOT_FP32)  # fmt: skip
+    bg = _pairs_block(bg, pid_j, lhs_ptr, rhs_ptr, rows, mask_m, js, mask_j, R, stride_ln,
+                      stride_rk, BLOCK_R, SPLIT_B, DOT_FP32)  # fmt: skip
     bg = bg * 0.5
     for kb in range(pid_j + 1, tl.cdiv(R, BLOCK_R)):
-        bg = _pairs_blocks_from(bg, kb, lhs_ptr, rhs_ptr, rows, mask_m, js, mask_j, R,
-                                stride_ln, stride_rk, BLOCK_R, SPLIT_B, DOT_FP32)  # fmt: skip
+        bg = _pairs_block(bg, kb, lhs_ptr, rhs_ptr, rows, mask_m, js, mask_j, R, stride_ln,
+                          stride_rk, BLOCK_R, SPLIT_B, DOT_FP32)  # fmt: skip
     acc = tl.sum(b * (2.0 * s * u + 2.0 * s * s * bg), axis=1)
     if SPLIT_R:
         finish_norm_rows(
