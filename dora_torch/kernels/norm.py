@@ -325,9 +325,9 @@ def _norm_pairs_kernel(
     """n_i = sqrt(max(base_sq_i + Σ_j B_ij (2s·U_ij + s²·(BG)_ij), 0)), program (i, J) taking
     row block i and column block J of the sum, with (BG)_ij = Σ_k lhs_ik (rhs_kj + rhs_k(R+j)):
     ``bg_bf16x3``'s operands (lhs [N, R] bf16 B and rhs [R, 2R] [G_hi | G_lo], or with
-    ``SPLIT_B`` lhs [N, 2R] [B_hi | B_lo] and rhs [2R, 2R] [[G_hi, G_lo], [G_hi, 0]]; all
-    bf16 with unit column strides),
-    both halves' products accumulated in fp32 in one tile. U is fp32 with unit column stride;
+    ``SPLIT_B`` lhs [N, 2R] [B_hi | B_lo] and rhs [2R, 2R] [[G_hi, G_lo], [G_hi, 0]], of
+    which only the first R rows are read; all bf16 with unit column strides), the products
+    accumulated in fp32 in one tile. U is fp32 with unit column stride;
     lb is B as the layer holds it (the reduction's own factor).
 
     G = A·Aᵀ is symmetric, so Σ_jk B_ij G_kj B_ik is the same sum with j and k swapped: over
