@@ -129,11 +129,12 @@ def test_split_bf16_rounds_like_torch():
 
 @pytest.mark.parametrize("b_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("method", ["gemm", "pairs"])
-# 40 > the interpreter's blocks: several j and k steps, masked; 72: K = 2r = 144 for an fp32 B
-@pytest.mark.parametrize("r", [1, 6, 40, 72])
+# r > the interpreter's 16-wide blocks: several j and k steps, masked; the pairs kernel's column
+# blocks: 1 (r = 1, 6), 2 (20), 3 (40), 4 (60), 5 (72, where K = 2r = 144 for an fp32 B)
+@pytest.mark.parametrize("r", [1, 6, 20, 40, 60, 72])
 def test_bf16x3_assemblies_norm_within_their_bound(r, method, b_dtype):
     """The bf16x3 assemblies (a 16-bit layer: the gemm's, and the pairs kernel forming the
-    same products in registers from G's blocks on and above its diagonal) against float64:
+    same products in registers, one block of each mirror pair of G's) against float64:
     the norm moves by at most what the B·G bound allows (each sums both halves)."""
     from dora_torch.kernels.norm import assemble_norm
     from dora_torch.kernels.workspace import ticket_counters
