@@ -26,8 +26,8 @@ with U = W Aᵀ [d_out, r] and G = A Aᵀ [r, r] (fp32, from GEMMs). Three ways
   (at r = 384 the gemm writes and the rows kernel reads a [rows, 2r] fp32 B·G, ~2 GB per
   8-layer step), and one launch replaces the GEMM and the rows kernel. The same bf16 products
   as ``"gemm"``, summed into one fp32 accumulator instead of two halves added after, and
-  each off-diagonal pair of G's blocks formed once: Σ_jk B_ij G_kj B_ik is symmetric in j
-  and k, so one block of a mirror pair counts for both.
+  only those with G's blocks on and above its diagonal: Σ_jk B_ij G_kj B_ik is symmetric in
+  j and k, so the blocks below count through their mirror images.
 - ``"auto"`` (``assembly_method``): for large r, "pairs" for a 16-bit W (bf16x3) and "gemm"
   for an fp32 W with IEEE fp32 matmuls, else "kernel": the accuracy never depends on a global
   flag.
@@ -156,8 +156,8 @@ def assemble_norm(
     (default ``config.NORM_ASSEMBLY``); ``bf16x3``: the layer's W is 16-bit, and the gemm forms
     B·G from bf16 products when ``config.NORM_GEMM_BF16X3`` (see the module docstring);
     "pairs" always does, so it needs ``bf16x3`` (``config.NORM_ASSEMBLY = "pairs"`` leaves
-    other layers to "auto"; it forms one block of each mirror pair of G's blocks, so G must
-    be symmetric, as A·Aᵀ is). ``pairs_blocks``: the pairs kernel's (BLOCK_M, BLOCK_R, warps,
+    other layers to "auto"; it reads only G's blocks on and above the diagonal, so G must be
+    symmetric, as A·Aᵀ is). ``pairs_blocks``: the pairs kernel's (BLOCK_M, BLOCK_R, warps,
     stages) instead of ``config.NORM_PAIRS`` (benchmarks)."""
     N, R = lora_B.shape
     method = resolve_method(method, R, bf16x3)
@@ -332,14 +332,9 @@ def _norm_pairs_kernel(
 
     G = A·Aᵀ is symmetric, so Σ_jk B_ij G_kj B_ik is the same sum with j and k swapped: over
     column blocks J and K it is Σ_J T_JJ + 2·Σ_{J<K} T_JK, T_JK = Σ_{j∈J, k∈K} B_ij G_kj B_ik.
-    Each unordered pair {J, K} is formed once, by the program from which K lies the fewer
-    steps ahead cyclically: program J forms its diagonal block at half weight and, at full
-    weight, the (nb − 1) // 2 blocks after it modulo nb (nb column blocks), and for an even nb
-    the block nb/2 ahead when J < nb/2. It then doubles its s² term (the scalings by ½ and 2
-    are exact). At r = 384 with 64-wide blocks that is 21 of 36 K blocks, at most 4 in any
-    program, so no program waits on a longer chain of products than the others (the
-    blocks J..nb−1 taken in order instead would leave program 0 all 6). ``SPLIT_R`` (more
-    than one column block): each program
+    Program J forms its diagonal block at half weight and the K blocks after it at full
+    weight, and doubles its s² term (the scalings by ½ and 2 are exact): 21 of 36 K blocks at
+    r = 384 with 64-wide blocks. ``SPLIT_R`` (more than one column block): each program
     stores its partial [rows] in part [col blocks, N] and takes a ticket; the last of a row
     block adds the partials up in column order (kernels/workspace.py) and writes n."""
     # Scalars arrive as fp64 when Inductor launches the kernel: keep the math in fp32.
@@ -359,13 +354,9 @@ def _norm_pairs_kernel(
     bg = _pairs_block(bg, pid_j, lhs_ptr, rhs_ptr, rows, mask_m, js, mask_j, R, stride_ln,
                       stride_rk, BLOCK_R, SPLIT_B, DOT_FP32)  # fmt: skip
     bg = bg * 0.5
-    blocks = tl.cdiv(R, BLOCK_R)
-    for d in range(1, (blocks + 1) // 2):  # the next (blocks − 1) // 2 blocks, cyclically
-        bg = _pairs_block(bg, (pid_j + d) % blocks, lhs_ptr, rhs_ptr, rows, mask_m, js, mask_j,
-                          R, stride_ln, stride_rk, BLOCK_R, SPLIT_B, DOT_FP32)  # fmt: skip
-    if (blocks % 2 == 0) & (pid_j < blocks // 2):  # the opposite block, from one side only
-        bg = _pairs_block(bg, pid_j + blocks // 2, lhs_ptr, rhs_ptr, rows, mask_m, js, mask_j,
-                          R, stride_ln, stride_rk, BLOCK_R, SPLIT_B, DOT_FP32)  # fmt: skip
+    for kb in range(pid_j + 1, tl.cdiv(R, BLOCK_R)):
+        bg = _pairs_block(bg, kb, lhs_ptr, rhs_ptr, rows, mask_m, js, mask_j, R, stride_ln,
+                          stride_rk, BLOCK_R, SPLIT_B, DOT_FP32)  # fmt: skip
     acc = tl.sum(b * (2.0 * s * u + 2.0 * s * s * bg), axis=1)
     if SPLIT_R:
         finish_norm_rows(

@@ -134,7 +134,7 @@ def test_split_bf16_rounds_like_torch():
 @pytest.mark.parametrize("r", [1, 6, 20, 40, 60, 72])
 def test_bf16x3_assemblies_norm_within_their_bound(r, method, b_dtype):
     """The bf16x3 assemblies (a 16-bit layer: the gemm's, and the pairs kernel forming the
-    same products in registers, one block of each mirror pair of G's) against float64:
+    same products in registers from G's blocks on and above its diagonal) against float64:
     the norm moves by at most what the B·G bound allows (each sums both halves)."""
     from dora_torch.kernels.norm import assemble_norm
     from dora_torch.kernels.workspace import ticket_counters
