@@ -261,8 +261,8 @@ NORM_ROWS_BLOCK_M = 16
 NORM_ROWS_BLOCK_R = 128
 NORM_ROWS_WARPS = 4
 #: (BLOCK_M, BLOCK_R, warps, stages) of the "pairs" assembly's kernel, which forms only G's
-#: blocks on and above the diagonal (run 206, µs at d_out 1024 / 4096 / 14336, r = 384: the
-#: full form at (64, 64, 64, 4, 3) 11.03 / 14.61 / 39.49; this one 11.16 / 13.57 / 33.76).
+#: blocks on and above the diagonal: the fastest of ``bench_kernel_tiles``' candidates over
+#: the bench model's widths (benchmarks/NOTES.md, session 45).
 NORM_PAIRS = (64, 64, 4, 2)
 
 

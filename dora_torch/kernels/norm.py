@@ -246,14 +246,13 @@ _launch_norm_rows = Launcher(_norm_rows_kernel)
 
 @triton.jit
 def finish_norm_rows(
-    share, part_ptr, tickets_ptr, base_sq_ptr, out_ptr, rows, mask_m, pid_m, pid_j, N,
-    HAS_BASE_SQ: tl.constexpr,
+    share, part_ptr, tickets_ptr, base_sq_ptr, out_ptr, rows, mask_m, pid_m, pid_j, N
 ):  # fmt: skip
     """The finisher of a norm kernel whose row block is split over axis 1 of the grid
     (kernels/workspace.py): store this program's ``share`` of n² for ``rows`` in part
     [programs along axis 1, N] and take a ticket; the last program of the row block adds the
-    shares in order, then ‖W‖² (from ``base_sq_ptr`` when ``HAS_BASE_SQ``, else the shares
-    hold it), writes n = sqrt(max(·, 0)) and sets its counter back to zero."""
+    shares in order, then ‖W‖² from ``base_sq_ptr``, writes n = sqrt(max(·, 0)) and sets its
+    counter back to zero."""
     blocks = tl.num_programs(1)
     tl.store(part_ptr + pid_j * N + rows, share, mask=mask_m)
     tl.debug_barrier()
@@ -262,8 +261,7 @@ def finish_norm_rows(
         acc = tl.zeros_like(share)
         for j in range(0, blocks):
             acc += tl.load(part_ptr + j * N + rows, mask=mask_m, other=0.0)
-        if HAS_BASE_SQ:
-            acc = tl.load(base_sq_ptr + rows, mask=mask_m, other=0.0).to(tl.float32) + acc
+        acc = tl.load(base_sq_ptr + rows, mask=mask_m, other=0.0).to(tl.float32) + acc
         tl.store(out_ptr + rows, tl.sqrt(tl.maximum(acc, 0.0)), mask=mask_m)
         tl.store(tickets_ptr + pid_m, 0)
 
@@ -360,7 +358,7 @@ def _norm_pairs_kernel(
     acc = tl.sum(b * (2.0 * s * u + 2.0 * s * s * bg), axis=1)
     if SPLIT_R:
         finish_norm_rows(
-            acc, part_ptr, tickets_ptr, base_sq_ptr, out_ptr, rows, mask_m, pid_m, pid_j, N, True
+            acc, part_ptr, tickets_ptr, base_sq_ptr, out_ptr, rows, mask_m, pid_m, pid_j, N
         )
     else:
         base_sq = tl.load(base_sq_ptr + rows, mask=mask_m, other=0.0).to(tl.float32)
